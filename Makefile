@@ -1,0 +1,30 @@
+# One command to set up and run the main job, one to set up and run the tests:
+#   make repro     # venv + install + `dvc repro` (tiny preset, offline, CPU)
+#   make test      # venv + install + lint + type check + all tests
+# The torch build is chosen here, not in package metadata. For another build:
+#   make repro TORCH_SPEC="torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(abspath $(VENV))/bin
+export PATH := $(BIN):$(PATH)
+export DVC_NO_ANALYTICS := 1
+
+.PHONY: setup repro test lint
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC) -e ".[dev]"
+	touch $@
+
+repro: setup
+	dvc repro
+
+lint: setup
+	ruff check src stages tests
+	mypy
+
+test: lint
+	pytest -q

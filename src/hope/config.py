@@ -1,0 +1,328 @@
+"""One typed configuration for the whole pipeline.
+
+Resolution order: dataclass defaults <- ``configs/presets/<preset>.yaml`` <-
+``params.yaml`` <- command-line overrides (``"model.dim=256"``). A ``null`` in
+``params.yaml`` means "keep the preset's value", so every knob is listed there
+(and ``dvc exp run -S key=value`` works for all of them) while the preset stays
+the place where model sizes live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hope.model.config import ModelConfig
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+
+
+class ConfigError(ValueError):
+    """A bad configuration: unknown key, wrong type, unknown preset, bad value."""
+
+
+@dataclass
+class DataConfig:
+    source: Literal["builtin", "hf", "local"] = "builtin"
+    hf_name: str = "HuggingFaceFW/fineweb-edu"
+    hf_config: str | None = "sample-10BT"
+    hf_split: str = "train"
+    text_column: str = "text"
+    streaming: bool = True
+    max_documents: int = 0  # 0: no limit
+    local_glob: str = ""
+    min_chars: int = 64
+    max_chars: int = 200_000
+    dedup: bool = True
+    val_fraction: float = 0.05
+    split_seed: int = 0
+    seq_len: int = 128
+
+
+@dataclass
+class TokenizerConfig:
+    model_type: Literal["unigram", "bpe"] = "unigram"
+    vocab_size: int = 4096
+    byte_fallback: bool = True
+    character_coverage: float = 0.9995
+    num_threads: int = 1
+    max_sentence_length: int = 16384
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "muon", "m3"] = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    num_threads: int = 0  # 0: leave torch's default
+    checkpoint_every: int = 100
+    log_every: int = 10
+    val_every: int = 50
+    val_batches: int = 8
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "hope-nl"
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 16
+    max_batches: int = 32
+    passkey_lengths: list[int] = field(default_factory=lambda: [64, 128])
+    passkey_trials: int = 16
+    passkey_candidates: int = 4
+    seed: int = 1234
+
+
+@dataclass
+class ReleaseConfig:
+    name: str = "hope-tiny"
+
+
+@dataclass
+class Config:
+    preset: str = "tiny"
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable digest of the named sections (all when none are named)."""
+        data = self.to_dict()
+        keys = sections or tuple(sorted(data))
+        blob = json.dumps({k: data[k] for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted knob name, e.g. ``model.dim``."""
+    keys: list[str] = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += all_keys(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against ``hint``; return it (ints widen to float)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    bad = ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is Literal:
+        if value in args:
+            return value
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise ConfigError(f"{key}: unsupported config type {hint}")
+
+
+def _unknown(key: str, valid: Iterable[str]) -> ConfigError:
+    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean '{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _apply(obj: Any, updates: Mapping[str, Any], inherit_null: bool, prefix: str = "") -> None:
+    """Merge a nested mapping into dataclass ``obj``.
+
+    With ``inherit_null`` (params.yaml), a ``None`` keeps the current value, so
+    params.yaml can list every knob without pinning the preset's sizes.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for name, value in updates.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            raise _unknown(key, all_keys()) from None
+        hint = hints[name]
+        if value is None and (inherit_null or dataclasses.is_dataclass(hint)):
+            continue
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+            _apply(getattr(obj, name), value, inherit_null, f"{key}.")
+        else:
+            setattr(obj, name, _coerce(key, value, hint))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    return data
+
+
+def _parse_override(text: str) -> dict[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    nested: dict[str, Any] = {}
+    node = nested
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    if dotted.strip() not in all_keys():
+        raise _unknown(dotted.strip(), all_keys())
+    return nested
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def _validate(cfg: Config) -> None:
+    m, d = cfg.model, cfg.data
+    checks = [
+        (m.dim % m.n_heads == 0, "model.dim must be divisible by model.n_heads"),
+        (all(p > 0 for p in m.cms_periods), "model.cms_periods must be positive"),
+        (
+            all(p % m.cms_periods[0] == 0 for p in m.cms_periods) if m.cms_periods else True,
+            "model.cms_periods: every period must be a multiple of the first",
+        ),
+        (m.smt_mem_chunk % m.smt_chunk == 0, "model.smt_mem_chunk must be a multiple of smt_chunk"),
+        (0.0 <= d.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
+        (d.seq_len > 0, "data.seq_len must be positive"),
+        (cfg.train.batch_size > 0, "train.batch_size must be positive"),
+        (cfg.train.steps >= 0, "train.steps must be >= 0"),
+        (cfg.tokenizer.vocab_size >= 64, "tokenizer.vocab_size must be >= 64"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if m.vocab_size is None:
+        m.vocab_size = cfg.tokenizer.vocab_size
+    elif m.vocab_size < cfg.tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is smaller than tokenizer.vocab_size="
+            f"{cfg.tokenizer.vocab_size}; set it to null to follow the tokenizer"
+        )
+
+
+def load_config(path: str | Path | None = "params.yaml", overrides: Iterable[str] = ()) -> Config:
+    """Resolve defaults <- preset <- ``path`` <- ``overrides`` into a validated Config."""
+    params = _read_yaml(Path(path)) if path is not None else {}
+    override_tree: dict[str, Any] = {}
+    for text in overrides:
+        _merge(override_tree, _parse_override(text))
+    preset = override_tree.get("preset") or params.get("preset") or Config.preset
+    if not isinstance(preset, str) or preset not in available_presets():
+        raise ConfigError(
+            f"unknown preset {preset!r}; valid presets: {', '.join(available_presets())}"
+        )
+    cfg = Config()
+    preset_path = PRESET_DIR / f"{preset}.yaml"
+    for source, tree, inherit_null in (
+        (str(preset_path), _read_yaml(preset_path), False),
+        (str(path), params, True),
+        ("overrides", override_tree, False),
+    ):
+        try:
+            _apply(cfg, tree, inherit_null)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+    cfg.preset = preset
+    _validate(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the fully resolved config as YAML (atomically)."""
+    from hope.io import atomic_write_text
+
+    atomic_write_text(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Rebuild a resolved Config (e.g. the one stored in a checkpoint)."""
+    cfg = Config()
+    _apply(cfg, data, inherit_null=False)
+    _validate(cfg)
+    return cfg

@@ -1,0 +1,67 @@
+"""Typed configuration of every model in the zoo.
+
+Each knob has exactly one default, here. YAML files (presets, ``params.yaml``)
+only override these values; :mod:`hope.config` validates names and types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Variant = Literal[
+    "transformer",
+    "hope_attention",
+    "hope",
+    "titans_lmm",
+    "titans_mac",
+    "titans_mag",
+    "titans_mal",
+]
+
+
+@dataclass
+class ModelConfig:
+    variant: Variant = "transformer"
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    # None: taken from ``tokenizer.vocab_size`` when the full config is resolved.
+    vocab_size: int | None = None
+    mlp_ratio: float = 4.0
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    init_std: float = 0.02
+
+    # Continuum Memory System (NL §3, eqs. 30-31). Periods in tokens, each a
+    # multiple of the first; the MLP budget mlp_ratio*dim is split across levels.
+    cms_periods: list[int] = field(default_factory=lambda: [8, 32])
+    cms_mode: Literal["teach_pass", "exact_online", "static"] = "teach_pass"
+    cms_lr: float = 1e-3
+    cms_retention: float = 1.0
+    cms_momentum: float = 0.0
+    cms_erase: float = 0.0
+
+    # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
+    smt_chunk: int = 8
+    smt_mem_chunk: int = 32
+    smt_expansion: int = 2
+    smt_objective: Literal["l2", "dot"] = "l2"
+    smt_eta_scale: float = 1e-3
+    smt_retention_init: float = 0.995
+    smt_momentum: float = 0.0
+    smt_precondition: bool = True
+    smt_adaptive_q: bool = False
+    smt_conv_window: int = 4
+    write_grad: Literal["full", "truncated", "stopgrad"] = "full"
+    write_grad_window: int = 4
+
+    # Titans (Ti §3-4): segment length, persistent tokens, sliding window.
+    titans_chunk: int = 16
+    titans_persistent: int = 4
+    titans_window: int = 64
+
+    # Surprise gate (per sample, per chunk, on device). None disables the gate.
+    surprise_threshold: float | None = None
+    surprise_metric: Literal["l2", "loss", "entropy"] = "l2"

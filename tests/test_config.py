@@ -1,0 +1,120 @@
+"""Config resolution: defaults <- preset <- params.yaml <- overrides, and its errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hope.config import Config, ConfigError, all_keys, available_presets, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params.yaml"
+
+
+def _flatten(tree: dict, prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            keys |= _flatten(value, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def test_params_yaml_lists_every_knob_exactly() -> None:
+    # Freezes the set of options: a new knob is a visible change to params.yaml.
+    listed = _flatten(yaml.safe_load(PARAMS.read_text()))
+    assert listed == set(all_keys())
+
+
+def test_default_params_resolve_to_tiny_preset() -> None:
+    cfg = load_config(PARAMS)
+    assert cfg.preset == "tiny"
+    assert cfg.model.dim == Config().model.dim
+    # vocab follows the tokenizer unless set explicitly
+    assert cfg.model.vocab_size == cfg.tokenizer.vocab_size
+
+
+def test_preset_then_params_then_overrides(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("preset: mid\nmodel:\n  n_layers: 3\n  dim: null\n")
+    cfg = load_config(params, ["train.steps=7", "optim.lr=1e-3"])
+    assert cfg.model.dim == 1536  # from the mid preset (null inherits)
+    assert cfg.model.n_layers == 3  # params.yaml beats the preset
+    assert cfg.train.steps == 7 and cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.data.seq_len == 4096
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_every_preset_loads(preset: str) -> None:
+    cfg = load_config(PARAMS, [f"preset={preset}"])
+    assert cfg.preset == preset
+    assert cfg.model.dim % cfg.model.n_heads == 0
+
+
+def test_unknown_key_names_key_and_nearest() -> None:
+    with pytest.raises(ConfigError, match=r"model\.dimm.*did you mean 'model\.dim'"):
+        load_config(PARAMS, ["model.dimm=3"])
+
+
+def test_unknown_key_in_params_file_names_file(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("train:\n  stpes: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(params)
+    assert "train.stpes" in str(err.value) and "train.steps" in str(err.value)
+    assert str(params) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.dim=abc", "model.dim: expected int"),
+        ("train.batch_size=1.5", "train.batch_size: expected int"),
+        ("model.qk_norm=3", "model.qk_norm: expected bool"),
+        ("model.variant=gpt", "model.variant: expected one of"),
+        ("model.cms_periods=[4, x]", r"model.cms_periods\[1\]: expected int"),
+    ],
+)
+def test_wrong_type_names_key_and_type(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_config(PARAMS, [override])
+
+
+def test_unknown_preset_lists_valid_names() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(PARAMS, ["preset=huge"])
+    for name in ("tiny", "pilot", "mid", "target"):
+        assert name in str(err.value)
+
+
+def test_config_error_is_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_semantic_checks() -> None:
+    with pytest.raises(ConfigError, match="cms_periods"):
+        load_config(PARAMS, ["model.cms_periods=[4, 6]"])
+    with pytest.raises(ConfigError, match="divisible"):
+        load_config(PARAMS, ["model.dim=130"])
+
+
+def test_float_field_accepts_int() -> None:
+    assert load_config(PARAMS, ["optim.lr=1"]).optim.lr == 1.0
+
+
+def test_stage_cli_reports_bad_key_without_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "stages/train.py", "--set", "model.dimm=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "model.dimm" in proc.stderr and "model.dim'" in proc.stderr
+    assert "Traceback" not in proc.stderr
