@@ -1,6 +1,17 @@
 """HOPE / Nested Learning: library package."""
 
+from typing import Any
+
 from hope.config import Config, ConfigError, load_config
 
-__all__ = ["Config", "ConfigError", "load_config"]
+__all__ = ["VARIANTS", "Config", "ConfigError", "build_model", "load_config"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import hope` (config, data stages) does not pay for importing torch.
+    if name in ("build_model", "VARIANTS"):
+        from hope.model import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'hope' has no attribute {name!r}")

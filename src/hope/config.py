@@ -44,7 +44,7 @@ class DataConfig:
     min_chars: int = 64
     max_chars: int = 200_000
     dedup: bool = True
-    val_fraction: float = 0.05
+    val_fraction: float = 0.1
     split_seed: int = 0
     seq_len: int = 128
 
@@ -70,6 +70,20 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # Muon hybrid (name=muon): torch.optim.Muon on 2-D hidden matrices with its own
+    # lr and decoupled decay; AdamW (lr above) on the rest (MECHANISMS §6).
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.01
+    # M3 hybrid (name=m3; NL-arXiv Alg. 1, MECHANISMS §6). beta1/beta2 above are
+    # M3's beta1/beta2; its update O/(sqrt(V)+eps) scales like 1/|g|, hence its own lr.
+    m3_lr: float = 1e-3
+    m3_weight_decay: float = 0.0  # coupled: added to the gradient
+    m3_beta3: float = 0.9
+    m3_alpha: float = 1.0
+    m3_slow_every: int = 50
+    m3_ns_steps: int = 3
+    m3_ema_v: bool = False  # V <- beta2 V + (1-beta2) g^2 instead of the literal V += beta2 g^2
 
 
 @dataclass

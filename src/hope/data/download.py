@@ -1,0 +1,193 @@
+"""The download stage: source documents -> filtered, deduplicated train/val JSONL.
+
+One streaming pass over the source (see ``hope.data.sources``):
+
+1. at most ``data.max_documents`` documents are *read* from the source (0: all);
+2. each is stripped of surrounding whitespace; documents shorter than
+   ``data.min_chars`` are dropped, and so are documents longer than
+   ``data.max_chars`` (0: no limit) -- dropped, not truncated, because such
+   outliers are mostly dumps and logs, and a cut mid-sentence is not text;
+3. with ``data.dedup`` exact duplicates (same sha256 of the text) are dropped;
+4. each survivor goes to ``val`` when a hash of ``(split_seed, text)`` falls
+   below ``data.val_fraction``, else to ``train``. The split depends only on the
+   text, never on order or on which other documents exist.
+
+Outputs (all written atomically): ``train.jsonl``, ``val.jsonl`` (rows
+``{"text": ...}``), ``manifest.json`` and the resolved ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from hope.cli import StageError
+from hope.config import Config, DataConfig, save_config
+from hope.data.sources import describe_source, iter_documents
+from hope.io import atomic_write_json
+
+log = logging.getLogger(__name__)
+SPLITS = ("train", "val")
+
+
+def is_val_document(text: str, split_seed: int, val_fraction: float) -> bool:
+    """Deterministic split: a uniform number in [0, 1) drawn from the text's hash."""
+    digest = hashlib.sha256(f"{split_seed}\x00{text}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
+
+
+class _AtomicJsonl:
+    """A JSONL file written to a temp name and renamed into place on success.
+
+    Tracks rows, characters, utf-8 bytes of the texts and the file's sha256.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.tmp = Path(name)
+        self.handle: io.BufferedWriter = os.fdopen(fd, "wb")
+        self.digest = hashlib.sha256()
+        self.documents = self.chars = self.bytes = 0
+
+    def write(self, text: str) -> None:
+        line = (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8")
+        self.handle.write(line)
+        self.digest.update(line)
+        self.documents += 1
+        self.chars += len(text)
+        self.bytes += len(text.encode("utf-8"))
+
+    def commit(self) -> dict[str, Any]:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        os.chmod(self.tmp, 0o644)  # mkstemp makes files private; these are shared outputs
+        os.replace(self.tmp, self.path)
+        return {
+            "file": self.path.name,
+            "documents": self.documents,
+            "chars": self.chars,
+            "bytes": self.bytes,
+            "sha256": self.digest.hexdigest(),
+        }
+
+    def abort(self) -> None:
+        self.handle.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class _SplitWriter:
+    """Both split files; all renamed into place only if the whole pass succeeds."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.files = {split: _AtomicJsonl(out_dir / f"{split}.jsonl") for split in SPLITS}
+
+    def __enter__(self) -> dict[str, _AtomicJsonl]:
+        return self.files
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is not None:
+            for f in self.files.values():
+                f.abort()
+
+
+def _filter_and_split(
+    cfg: DataConfig, files: dict[str, _AtomicJsonl], counts: dict[str, int]
+) -> None:
+    seen: set[bytes] = set()
+    documents = iter_documents(cfg)
+    if cfg.max_documents > 0:
+        documents = itertools.islice(documents, cfg.max_documents)
+    for raw in documents:
+        counts["read"] += 1
+        text = raw.strip()
+        if len(text) < cfg.min_chars:
+            counts["dropped_short"] += 1
+            continue
+        if cfg.max_chars > 0 and len(text) > cfg.max_chars:
+            counts["dropped_long"] += 1
+            continue
+        if cfg.dedup:
+            # 128 bits keep collisions negligible at half the memory of a full digest.
+            key = hashlib.sha256(text.encode("utf-8")).digest()[:16]
+            if key in seen:
+                counts["dropped_duplicate"] += 1
+                continue
+            seen.add(key)
+        split = "val" if is_val_document(text, cfg.split_seed, cfg.val_fraction) else "train"
+        files[split].write(text)
+        if counts["read"] % 100_000 == 0:
+            log.info("read %d documents", counts["read"])
+
+
+def run_download(cfg: Config, out_dir: Path) -> dict[str, Any]:
+    """Collect, filter, deduplicate and split ``cfg.data.source``; return the manifest."""
+    data = cfg.data
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    counts = dict.fromkeys(("read", "dropped_short", "dropped_long", "dropped_duplicate"), 0)
+    with _SplitWriter(out_dir) as files:
+        _filter_and_split(data, files, counts)
+        if files["train"].documents == 0:
+            raise StageError(
+                f"data.source={data.source}: no training documents left after filtering "
+                f"({counts}); check data.min_chars / data.max_chars / the source"
+            )
+        if data.val_fraction > 0 and files["val"].documents == 0:
+            raise StageError(
+                f"data.val_fraction={data.val_fraction} put no document into validation "
+                f"({files['train'].documents} documents in all); raise it or add data"
+            )
+        splits = {split: f.commit() for split, f in files.items()}
+    manifest = {
+        "source": describe_source(data),
+        "filters": {
+            "max_documents": data.max_documents,
+            "min_chars": data.min_chars,
+            "max_chars": data.max_chars,
+            "dedup": data.dedup,
+            "val_fraction": data.val_fraction,
+            "split_seed": data.split_seed,
+        },
+        "counts": counts,
+        "splits": splits,
+    }
+    atomic_write_json(out_dir / "manifest.json", manifest)
+    save_config(cfg, out_dir / "config.yaml")
+    log.info(
+        "download: %s documents read, train %d docs / %d bytes, val %d docs / %d bytes (%.1f s)",
+        counts["read"],
+        splits["train"]["documents"],
+        splits["train"]["bytes"],
+        splits["val"]["documents"],
+        splits["val"]["bytes"],
+        time.perf_counter() - started,
+    )
+    return manifest
+
+
+def iter_jsonl_texts(jsonl: Path) -> Iterator[str]:
+    """Stream the texts of a ``{"text": ...}`` JSONL file written by this stage."""
+    jsonl = Path(jsonl)
+    if not jsonl.is_file():
+        raise StageError(f"{jsonl} not found; run `python stages/download.py` first")
+    with open(jsonl, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            try:
+                yield json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise StageError(f"{jsonl}:{line_no}: not a {{'text': ...}} JSON row") from None

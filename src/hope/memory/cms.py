@@ -1,0 +1,491 @@
+"""Continuum Memory System (NL §3, eqs. 30–31; MECHANISMS §2, §8.3).
+
+A level is an MLP a → W_out·gelu(W_in·a) whose weights in force for sample b are
+θ0 + Δ_b: θ0 meta parameters (outer optimizer), Δ_b fast deltas, zero at context
+start and written under stop-grad, so ∂L/∂θ0 = ∂L/∂(θ0 + Δ) (first-order MAML).
+
+Writes (NL eq. 31): at each boundary of level ℓ (every C tokens)
+    Δ ← α Δ − η Opt(Σ_{t∈chunk} ∇_θ ℓ_t),   ℓ_t(θ) = ⟨MLP_θ(a_t), sg(δ_t)⟩,
+with gradients at the chunk-start weights and δ_t = ∂L/∂(level output) of the summed
+per-token CE (given by the caller). The per-token gradients are rank-1 and are only
+ever summed (never materialised per token):
+    G_out = Σ_t δ_t h_tᵀ,   G_in = Σ_t (W_outᵀ δ_t ⊙ gelu′(z_t)) a_tᵀ.
+
+Two twins, equal given the same δ (tests, float64):
+- ``CMSLevel.teach_forward`` (parallel, ``teach_pass`` pass B): one scan over chunks
+  for the deltas Δ_n in force during chunk n (built from chunks < n only), then one
+  batched read with per-chunk weights θ0 + sg(Δ_n);
+- ``naive_online_level`` (oracle, ``exact_online``): chunk by chunk, read with the
+  current Δ, then write with that chunk's δ.
+
+Streaming: each level keeps a pending buffer (inputs, δ, surprise scores of tokens
+not yet written) that persists across calls; an update fires whenever ≥ C tokens
+are pending and pops exactly C; ``finalize=True`` optionally flushes the partial
+chunk and clears the buffer. All counts are static Python ints (no device syncs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hope.memory.fast_state import reset_state
+from hope.memory.surprise import chunk_gate, token_mask, token_scores
+from hope.model.config import ModelConfig
+from hope.model.layers import RMSNorm
+from hope.optim.inner import InnerRule, make_inner_rule
+
+GradPoint = Literal["chunk_start", "base"]
+CMSMode = Literal["teach_pass", "exact_online", "static"]
+
+
+@dataclass
+class LevelState:
+    """Per-sample fast state of one CMS level (MECHANISMS §5); every tensor has leading B."""
+
+    delta_in: Tensor  # [B, h, d]  fast delta of W_in
+    delta_out: Tensor  # [B, d, h]  fast delta of W_out
+    mom_in: Tensor | None  # [B, h, d] or None (rule without momentum)
+    mom_out: Tensor | None  # [B, d, h]
+    pending_inputs: Tensor  # [B, P, d]  level inputs not yet written, P < C
+    pending_teach: Tensor  # [B, P, d]  their (masked) teach signals δ
+    pending_scores: Tensor  # [B, P]     their per-token surprise scores
+    updates: Tensor  # [B]  updates fired with the gate open (device counter, read at log time)
+    boundaries: int = 0  # chunk boundaries crossed (static)
+
+    @property
+    def pending(self) -> int:
+        return self.pending_inputs.shape[1]
+
+
+@dataclass
+class ChunkDeltas:
+    """Deltas in force per chunk of a call laid out as [pending prefix | new tokens | pad]."""
+
+    delta_in: Tensor  # [B, n, h, d]
+    delta_out: Tensor  # [B, n, d, h]
+    offset: int  # pending tokens before the first new token (chunk 0 starts with them)
+    chunk: int  # C
+
+
+def gelu_prime(z: Tensor) -> Tensor:
+    """d/dz of exact GELU z·Φ(z): Φ(z) + z·φ(z)."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + z * pdf
+
+
+def grad_factors(
+    inputs: Tensor, teach: Tensor, w_in: Tensor, w_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunk-summed gradients of Σ_t ⟨MLP(a_t), δ_t⟩ as rank-1 sums over t.
+
+    inputs a, teach δ [..., C, d]; w_in [..., h, d]; w_out [..., d, h] (leading dims
+    broadcast, so θ0 alone or per-sample θ0 + Δ both work).
+    Returns G_in [..., h, d], G_out [..., d, h], hidden h [..., C, h] (the W_out inputs).
+    """
+    pre = inputs @ w_in.transpose(-1, -2)  # z [..., C, h]
+    hidden = F.gelu(pre)
+    g_out = teach.transpose(-1, -2) @ hidden  # Σ_t δ_t h_tᵀ  [..., d, h]
+    back = (teach @ w_out) * gelu_prime(pre)  # W_outᵀδ_t ⊙ gelu′(z_t)  [..., C, h]
+    g_in = back.transpose(-1, -2) @ inputs  # [..., h, d]
+    return g_in, g_out, hidden
+
+
+class CMSLevel(nn.Module):
+    """One CMS level: meta MLP θ0 = (W_in [h, d], W_out [d, h]) read as θ0 + Δ_b."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        period: int,
+        rule: InnerRule,
+        *,
+        grad_point: GradPoint = "chunk_start",
+        surprise_threshold: float | None = None,
+        surprise_metric: str = "l2",
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if period < 1 or hidden < 1:
+            raise ValueError(f"CMSLevel: period and hidden must be >= 1 (got {period}, {hidden})")
+        if grad_point not in ("chunk_start", "base"):
+            raise ValueError(f"CMSLevel: grad_point must be chunk_start|base, got {grad_point!r}")
+        self.dim, self.hidden, self.period = dim, hidden, period
+        self.rule = rule
+        # chunk_start: factors at θ0 + Δ_n, the paper's chunk-start weights (NL eq. 31);
+        # base: factors at θ0 for every chunk (titans-pytorch "frozen base", MECHANISMS §8.2),
+        # one einsum over all chunks instead of one per chunk.
+        self.grad_point = grad_point
+        self.surprise_threshold = surprise_threshold
+        self.surprise_metric = surprise_metric
+        self.w_in = nn.Parameter(torch.randn(hidden, dim) * init_std)
+        self.w_out = nn.Parameter(torch.randn(dim, hidden) * init_std)
+
+    def init_state(
+        self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> LevelState:
+        """Fresh context: Δ = 0, momentum 0, nothing pending."""
+        device = self.w_in.device if device is None else device
+        dtype = torch.float32 if dtype is None else dtype
+
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
+        d, h = self.dim, self.hidden
+        momentum = self.rule.uses_momentum
+        return LevelState(
+            delta_in=zeros(batch_size, h, d),
+            delta_out=zeros(batch_size, d, h),
+            mom_in=zeros(batch_size, h, d) if momentum else None,
+            mom_out=zeros(batch_size, d, h) if momentum else None,
+            pending_inputs=zeros(batch_size, 0, d),
+            pending_teach=zeros(batch_size, 0, d),
+            pending_scores=zeros(batch_size, 0),
+            updates=torch.zeros(batch_size),
+        )
+
+    def _read(self, inputs: Tensor, delta_in: Tensor | None, delta_out: Tensor | None) -> Tensor:
+        """MLP with weights θ0 + sg(Δ); inputs [..., C, d], deltas [..., h, d] / [..., d, h]."""
+        pre = inputs @ self.w_in.t()
+        if delta_in is not None:
+            pre = pre + inputs @ delta_in.detach().to(inputs.dtype).transpose(-1, -2)
+        hidden = F.gelu(pre)
+        out = hidden @ self.w_out.t()
+        if delta_out is not None:
+            out = out + hidden @ delta_out.detach().to(inputs.dtype).transpose(-1, -2)
+        return out
+
+    def forward(
+        self,
+        x_norm: Tensor,
+        state: LevelState | None = None,
+        chunk_deltas: ChunkDeltas | None = None,
+    ) -> Tensor:
+        """Read y [B, T, d] from the normalised input x_norm [B, T, d].
+
+        No state: the meta MLP θ0. A state: its current Δ for every token (pass A /
+        one online chunk). ``chunk_deltas``: chunk n of the call's layout uses its own
+        θ0 + Δ_n in one batched matmul (pass B). Never writes.
+        """
+        if chunk_deltas is None:
+            if state is None:
+                return self._read(x_norm, None, None)
+            return self._read(x_norm, state.delta_in, state.delta_out)
+        batch, length, dim = x_norm.shape
+        n_chunks, chunk, offset = (
+            chunk_deltas.delta_in.shape[1],
+            chunk_deltas.chunk,
+            chunk_deltas.offset,
+        )
+        pad = n_chunks * chunk - offset - length
+        if pad < 0 or pad >= chunk:
+            raise ValueError(
+                f"chunk_deltas cover {n_chunks} chunks; they do not fit {length} tokens"
+            )
+        # Pending tokens were read in an earlier call; zero rows keep the chunk layout.
+        padded = F.pad(x_norm, (0, 0, offset, pad)).view(batch, n_chunks, chunk, dim)
+        out = self._read(padded, chunk_deltas.delta_in, chunk_deltas.delta_out)
+        return out.reshape(batch, n_chunks * chunk, dim)[:, offset : offset + length]
+
+    def _scores(
+        self, teach: Tensor, token_loss: Tensor | None, token_entropy: Tensor | None
+    ) -> Tensor:
+        if self.surprise_threshold is None:
+            return teach.new_zeros(teach.shape[:2])
+        return token_scores(self.surprise_metric, teach, token_loss, token_entropy)
+
+    def chunk_deltas(
+        self,
+        x_norm: Tensor,
+        teach: Tensor,
+        state: LevelState,
+        *,
+        finalize: bool = False,
+        flush: bool = True,
+        teach_mask: Tensor | None = None,
+        token_loss: Tensor | None = None,
+        token_entropy: Tensor | None = None,
+    ) -> tuple[ChunkDeltas, LevelState]:
+        """Write the call's tokens: the deltas in force per chunk and the new state.
+
+        x_norm, teach δ [B, T, d] (both treated as constants); teach_mask, token_loss,
+        token_entropy [B, T]. Chunk 0 starts with the P pending tokens of ``state``.
+        """
+        if x_norm.shape != teach.shape:
+            raise ValueError(f"inputs {tuple(x_norm.shape)} and teach {tuple(teach.shape)} differ")
+        if x_norm.shape[1] < 1:
+            raise ValueError("chunk_deltas: the call has no tokens (T = 0)")
+        chunk, offset = self.period, state.pending
+        total = offset + x_norm.shape[1]
+        n_read = -(-total // chunk)  # chunks holding call tokens
+        n_full = total // chunk
+        remainder = total - n_full * chunk
+        n_fire = n_full + (1 if finalize and flush and remainder else 0)
+
+        teach = teach.detach()
+        scores = self._scores(teach, token_loss, token_entropy)  # [B, T]
+        mask = token_mask(scores, self.surprise_threshold, teach_mask)
+        if mask is not None:
+            teach = teach * mask[..., None]
+        inputs_all = torch.cat([state.pending_inputs, x_norm.detach().to(teach.dtype)], dim=1)
+        teach_all = torch.cat([state.pending_teach, teach], dim=1)
+        scores_all = torch.cat([state.pending_scores, scores], dim=1)
+
+        pad = n_read * chunk - total
+        batch, dim = teach.shape[0], teach.shape[2]
+        inputs_c = F.pad(inputs_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim)
+        teach_c = F.pad(teach_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim)
+        scores_c = F.pad(scores_all, (0, pad)).view(batch, n_read, chunk)
+        gates = None
+        if n_fire:
+            last_len = chunk if n_fire == n_full else remainder
+            gates = chunk_gate(scores_c[:, :n_fire], self.surprise_threshold, last_len)
+
+        with torch.no_grad():
+            deltas_in, deltas_out, final = self._scan(inputs_c, teach_c, gates, state, n_fire)
+        keep = 0 if finalize else remainder
+        fired = gates.sum(dim=1).to(state.updates.dtype) if gates is not None else n_fire
+        new_state = replace(
+            final,
+            pending_inputs=inputs_all[:, total - keep :],
+            pending_teach=teach_all[:, total - keep :],
+            pending_scores=scores_all[:, total - keep :],
+            updates=state.updates + fired,
+            boundaries=state.boundaries + n_fire,
+        )
+        in_force = ChunkDeltas(
+            torch.stack(deltas_in[:n_read], dim=1),
+            torch.stack(deltas_out[:n_read], dim=1),
+            offset,
+            chunk,
+        )
+        return in_force, new_state
+
+    def _scan(
+        self,
+        inputs_c: Tensor,
+        teach_c: Tensor,
+        gates: Tensor | None,
+        state: LevelState,
+        n_fire: int,
+    ) -> tuple[list[Tensor], list[Tensor], LevelState]:
+        """Exclusive scan over chunks: Δ_0 = state, Δ_{j+1} = rule(Δ_j, chunk j)."""
+        w_in, w_out = self.w_in.detach().to(inputs_c.dtype), self.w_out.detach().to(inputs_c.dtype)
+        base = None
+        if self.grad_point == "base" and n_fire:
+            base = grad_factors(inputs_c[:, :n_fire], teach_c[:, :n_fire], w_in, w_out)
+        d_in, d_out, m_in, m_out = state.delta_in, state.delta_out, state.mom_in, state.mom_out
+        deltas_in, deltas_out = [d_in], [d_out]
+        for j in range(n_fire):
+            cur_in, cur_out = w_in + d_in, w_out + d_out  # chunk-start weights [B, ., .]
+            if base is None:
+                g_in, g_out, hidden = grad_factors(inputs_c[:, j], teach_c[:, j], cur_in, cur_out)
+            else:
+                g_in, g_out, hidden = base[0][:, j], base[1][:, j], base[2][:, j]
+            gate = None if gates is None else gates[:, j]
+            d_in, m_in = self.rule.step(d_in, m_in, g_in, inputs_c[:, j], cur_in, gate)
+            d_out, m_out = self.rule.step(d_out, m_out, g_out, hidden, cur_out, gate)
+            deltas_in.append(d_in)
+            deltas_out.append(d_out)
+        final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
+        return deltas_in, deltas_out, final
+
+    def write(
+        self, x_norm: Tensor, teach: Tensor, state: LevelState, **kwargs: object
+    ) -> LevelState:
+        """Only the state update of ``chunk_deltas`` (exact_online writes after a read)."""
+        return self.chunk_deltas(x_norm, teach, state, **kwargs)[1]  # type: ignore[arg-type]
+
+    def teach_forward(
+        self, x_norm: Tensor, teach: Tensor, state: LevelState, **kwargs: object
+    ) -> tuple[Tensor, LevelState]:
+        """Pass B of ``teach_pass``: per-chunk deltas from (x_norm, δ), then one batched read."""
+        deltas, new_state = self.chunk_deltas(x_norm, teach, state, **kwargs)  # type: ignore[arg-type]
+        return self(x_norm, chunk_deltas=deltas), new_state
+
+
+def _slice_opt(value: Tensor | None, start: int, stop: int) -> Tensor | None:
+    return None if value is None else value[:, start:stop]
+
+
+def naive_online_level(
+    level: CMSLevel,
+    x_norm: Tensor,
+    teach: Tensor,
+    state: LevelState,
+    *,
+    finalize: bool = False,
+    flush: bool = True,
+    teach_mask: Tensor | None = None,
+    token_loss: Tensor | None = None,
+    token_entropy: Tensor | None = None,
+) -> tuple[Tensor, LevelState]:
+    """Oracle twin of ``teach_forward`` (exact_online): per chunk, read with the current Δ,
+    then write that chunk's tokens (one update at most per segment)."""
+    length, outputs, start = x_norm.shape[1], [], 0
+    while start < length:
+        stop = min(length, start + level.period - state.pending)
+        seg = slice(start, stop)
+        outputs.append(level(x_norm[:, seg], state))
+        last = stop == length
+        state = level.write(
+            x_norm[:, seg],
+            teach[:, seg],
+            state,
+            finalize=finalize and last,
+            flush=flush,
+            teach_mask=_slice_opt(teach_mask, start, stop),
+            token_loss=_slice_opt(token_loss, start, stop),
+            token_entropy=_slice_opt(token_entropy, start, stop),
+        )
+        start = stop
+    return torch.cat(outputs, dim=1), state
+
+
+def split_hidden(total: int, levels: int) -> list[int]:
+    """Split the MLP budget Σ h_ℓ = total as evenly as possible (MECHANISMS §1)."""
+    if levels < 1 or total < levels:
+        raise ValueError(f"cannot split an MLP budget of {total} over {levels} CMS levels")
+    base, extra = divmod(total, levels)
+    return [base + (1 if i < extra else 0) for i in range(levels)]
+
+
+@dataclass
+class LevelTap:
+    """What pass A hands the model for one level: its input and (in-graph) output."""
+
+    inputs: Tensor  # a = N_ℓ(x) [B, T, d]
+    output: Tensor  # y = MLP_ℓ(a) [B, T, d]; autograd.grad(loss, output) gives δ_ℓ
+
+
+class CMS(nn.Module):
+    """The chain x ← x + MLP_ℓ(N_ℓ(x)), ℓ = 1..k (NL eq. 30, pre-norm residual)."""
+
+    def __init__(
+        self,
+        dim: int,
+        hiddens: Sequence[int],
+        periods: Sequence[int],
+        rule: InnerRule,
+        *,
+        mode: CMSMode = "teach_pass",
+        norm_eps: float = 1e-6,
+        **level_kwargs: object,
+    ) -> None:
+        super().__init__()
+        periods = list(periods)
+        if not periods or len(periods) != len(hiddens):
+            raise ValueError(
+                f"cms_periods {periods} must be non-empty and match {len(hiddens)} levels"
+            )
+        if any(p % periods[0] for p in periods) or sorted(periods) != periods:
+            raise ValueError(
+                f"cms_periods {periods} must increase and each be a multiple of the first"
+            )
+        if mode not in ("teach_pass", "exact_online", "static"):
+            raise ValueError(f"cms_mode must be teach_pass|exact_online|static, got {mode!r}")
+        self.mode = mode
+        self.norms = nn.ModuleList(RMSNorm(dim, norm_eps) for _ in periods)
+        self.levels = nn.ModuleList(
+            CMSLevel(dim, h, p, rule, **level_kwargs)  # type: ignore[arg-type]
+            for h, p in zip(hiddens, periods, strict=True)
+        )
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, grad_point: GradPoint = "chunk_start") -> CMS:
+        rule = make_inner_rule(cfg.cms_lr, cfg.cms_retention, cfg.cms_momentum, cfg.cms_erase)
+        hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
+        return cls(
+            cfg.dim,
+            hiddens,
+            cfg.cms_periods,
+            rule,
+            mode=cfg.cms_mode,
+            norm_eps=cfg.norm_eps,
+            grad_point=grad_point,
+            surprise_threshold=cfg.surprise_threshold,
+            surprise_metric=cfg.surprise_metric,
+            init_std=cfg.init_std,
+        )
+
+    def init_state(
+        self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> list[LevelState]:
+        return [lvl.init_state(batch_size, device, dtype) for lvl in self.levels]  # type: ignore[operator]
+
+    def reset(self, state: list[LevelState], reset_mask: Tensor) -> list[LevelState]:
+        """Per-sample reset (torch.where). The chunk phase (pending count) is batch-wide;
+        a reset sample's pending tokens are zeroed, so they contribute nothing."""
+        return reset_state(state, reset_mask)
+
+    def read(
+        self, x: Tensor, state: list[LevelState] | None = None
+    ) -> tuple[Tensor, list[LevelTap]]:
+        """Pass A / one exact_online chunk: read with each level's current Δ (θ0 if no state)."""
+        taps = []
+        for i, (norm, level) in enumerate(zip(self.norms, self.levels, strict=True)):
+            inputs = norm(x)
+            output = level(inputs, None if state is None else state[i])
+            taps.append(LevelTap(inputs, output))
+            x = x + output
+        return x, taps
+
+    def write(
+        self,
+        taps: Sequence[LevelTap],
+        teaches: Sequence[Tensor],
+        state: list[LevelState],
+        **kwargs: object,
+    ) -> list[LevelState]:
+        """exact_online: write each level's chunk (inputs from ``read``, δ_ℓ from the model)."""
+        if self.mode == "static":
+            return state
+        return [
+            lvl.write(tap.inputs, dlt, st, **kwargs)  # type: ignore[operator]
+            for lvl, tap, dlt, st in zip(self.levels, taps, teaches, state, strict=True)
+        ]
+
+    def teach_forward(
+        self, x: Tensor, teaches: Sequence[Tensor], state: list[LevelState], **kwargs: object
+    ) -> tuple[Tensor, list[LevelState]]:
+        """Pass B of teach_pass: level ℓ reads with θ0 + sg(Δ_n) built from its pass-B
+        inputs and δ_ℓ of pass A (MECHANISMS §8.3b). Static mode: plain MLPs, no writes."""
+        if self.mode == "static":
+            return self.read(x)[0], state
+        new_state = []
+        for norm, level, teach, st in zip(self.norms, self.levels, teaches, state, strict=True):
+            out, st = level.teach_forward(norm(x), teach, st, **kwargs)  # type: ignore[operator]
+            x = x + out
+            new_state.append(st)
+        return x, new_state
+
+
+def naive_online_chain(
+    cms: CMS,
+    x: Tensor,
+    teaches: Sequence[Tensor],
+    state: list[LevelState],
+    *,
+    finalize: bool = False,
+    flush: bool = True,
+) -> tuple[Tensor, list[LevelState]]:
+    """Oracle twin of ``CMS.teach_forward``: loop over chunks of the shortest period
+    (every boundary of every level falls on that grid), read all levels, then write."""
+    length, outputs, start = x.shape[1], [], 0
+    first: int = cms.levels[0].period  # type: ignore[assignment]
+    while start < length:
+        stop = min(length, start + first - state[0].pending)
+        x_seg, taps = cms.read(x[:, start:stop], state)
+        seg_teach = [t[:, start:stop] for t in teaches]
+        state = cms.write(taps, seg_teach, state, finalize=finalize and stop == length, flush=flush)
+        outputs.append(x_seg)
+        start = stop
+    return torch.cat(outputs, dim=1), state

@@ -1,0 +1,42 @@
+"""Causal depthwise 1-D convolution with a carried tail (MECHANISMS §1, §3, §5).
+
+y_t = sum_j w[:, j] * x_{t-(W-1)+j}: each channel mixes only its own past
+W-1 values and the current one. The last W-1 inputs are returned as the
+``tail`` so chained calls equal one call on the concatenated sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+class CausalDepthwiseConv(nn.Module):
+    def __init__(self, channels: int, window: int, init_std: float = 0.02):
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"conv window must be >= 1, got {window}")
+        self.channels, self.window = channels, window
+        # Start near the identity (current tap = 1) so the conv does not scramble
+        # inputs at init; small noise on the past taps gives them gradient.
+        weight = torch.randn(channels, window) * init_std
+        weight[:, -1] += 1.0
+        self.weight = nn.Parameter(weight)
+
+    def init_tail(self, batch_size: int) -> Tensor:
+        """Zero history [B, W-1, C] (a fresh context has no past tokens)."""
+        return torch.zeros(
+            batch_size,
+            self.window - 1,
+            self.channels,
+            dtype=self.weight.dtype,
+            device=self.weight.device,
+        )
+
+    def forward(self, x: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, C], tail [B, W-1, C] -> (y [B, T, C], new tail [B, W-1, C])."""
+        padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+        y = F.conv1d(padded.transpose(1, 2), self.weight.unsqueeze(1), groups=self.channels)
+        new_tail = padded[:, padded.shape[1] - (self.window - 1) :]
+        return y.transpose(1, 2), new_tail

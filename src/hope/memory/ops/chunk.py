@@ -1,0 +1,147 @@
+"""Closed-form chunk updates of MLP fast weights (MECHANISMS §8.1; Ti eqs. 16-18).
+
+Both functions take a whole chunk of C tokens at once, batched over [B, H],
+with the per-token inner gradients given as rank-1 factors computed at the
+chunk-start weights (``hope.memory.residual_mlp.grad_factors``). No Python
+loop over tokens; the decay products are log-cumsums and the DGD
+preconditioner is one C x C unit-lower-triangular solve. Everything is
+differentiable (autograd goes through the solve).
+
+Chunk-level momentum (both functions, and the token-loop twins in
+``naive.py``): the chunk map is affine in the chunk-start weights,
+W_C = Hom(W_0) + Inc, where Hom is the update with zero gradients and Inc the
+update from zero weights. With momentum beta,
+
+    m_n = beta * m_{n-1} + Inc_n,    W_C = Hom(W_0) + m_n,
+
+so beta = 0 is exactly the token recurrence (MECHANISMS §3 step 5: "apply
+momentum per chunk").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _log_decay_ratios(log_keep: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Decay ratios of gamma_t = prod_{s<=t} keep_s from logs [B, H, C].
+
+    Returns (prev_over_s [B,H,C,C] = gamma_{t-1}/gamma_s for s < t else 0,
+    gamma_prev [B,H,C] = gamma_{t-1}, end_over_s [B,H,C] = gamma_C/gamma_s,
+    gamma_end [B,H]). Ratios are formed as exp of log differences so they never
+    overflow (each is <= 1 when keep <= 1).
+    """
+    cum = torch.cumsum(log_keep, dim=-1)  # log gamma_t
+    prev = cum - log_keep  # log gamma_{t-1}, with gamma_0 = 1
+    n = log_keep.shape[-1]
+    strict_lower = torch.ones(n, n, dtype=torch.bool, device=log_keep.device).tril(-1)
+    diff = prev.unsqueeze(-1) - cum.unsqueeze(-2)  # [B, H, t, s]
+    # Zero the masked logits before exp: an upper-triangle entry could be +large.
+    diff = torch.where(strict_lower, diff, torch.zeros_like(diff))
+    prev_over_s = torch.where(strict_lower, torch.exp(diff), torch.zeros_like(diff))
+    end = cum[..., -1]
+    return prev_over_s, torch.exp(prev), torch.exp(end.unsqueeze(-1) - cum), torch.exp(end)
+
+
+def chunk_dgd_update(
+    w1: Tensor,
+    w2: Tensor,
+    m1: Tensor,
+    m2: Tensor,
+    k: Tensor,
+    e: Tensor,
+    a: Tensor,
+    d: Tensor,
+    eta: Tensor,
+    alpha: Tensor,
+    precondition: bool,
+    momentum: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """DGD write of one chunk (NL-arXiv eq. 88, MECHANISMS §3 step 5, §8.1).
+
+    Token recurrence (factors fixed at the chunk start):
+      W2 <- W2 (alpha_t I - eta_t k_t k_t^T) - eta_t D_t k_t^T   (precondition)
+      W2 <- alpha_t W2 - eta_t D_t k_t^T                        (no precondition)
+      W1 <- alpha_t W1 - eta_t E_t A_t^T
+
+    Shapes: w1/m1 [B,H,O,M], w2/m2 [B,H,M,I], k [B,H,C,I], e [B,H,C,O],
+    a/d [B,H,C,M], eta/alpha [B,H,C]. Returns (w1, w2, m1, m2) after the chunk.
+    """
+    prev_over_s, gamma_prev, end_over_s, gamma_end = _log_decay_ratios(torch.log(alpha))
+    u = -eta.unsqueeze(-1) * d  # [B, H, C, M]: u_t = -eta_t D_t
+    if precondition:
+        # r_t + eta_t sum_{s<t} M_ts r_s = u_t - eta_t gamma_{t-1} S_0 k_t, with
+        # M_ts = (gamma_{t-1}/gamma_s) k_s.k_t. Solve the driven (u) and the
+        # homogeneous (S_0) right-hand sides together: [B, H, C, 2M].
+        gram = torch.einsum("bhti,bhsi->bhts", k, k)
+        eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
+        lower = eye + eta.unsqueeze(-1) * prev_over_s * gram  # [B, H, C, C]
+        s0k = torch.einsum("bhmi,bhti->bhtm", w2, k)  # [B, H, C, M]
+        hom_rhs = -(eta * gamma_prev).unsqueeze(-1) * s0k
+        rhs = torch.cat([u, hom_rhs], dim=-1)
+        r = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+        r_drive, r_hom = r.split(u.shape[-1], dim=-1)
+        # S_C = gamma_C S_0 + R^T diag(gamma_C/gamma_s) K
+        weighted_k = end_over_s.unsqueeze(-1) * k  # [B, H, C, I]
+        hom2 = gamma_end[..., None, None] * w2 + torch.einsum("bhtm,bhti->bhmi", r_hom, weighted_k)
+        inc2 = torch.einsum("bhtm,bhti->bhmi", r_drive, weighted_k)
+    else:
+        hom2 = gamma_end[..., None, None] * w2
+        inc2 = torch.einsum("bhtm,bhti->bhmi", end_over_s.unsqueeze(-1) * u, k)
+    # W1_C = gamma_C W1_0 - E^T diag(eta_s gamma_C/gamma_s) A (cf. Ti eqs. 16-17)
+    hom1 = gamma_end[..., None, None] * w1
+    inc1 = -torch.einsum("bhto,bhtm->bhom", (eta * end_over_s).unsqueeze(-1) * e, a)
+    m1_new = momentum * m1 + inc1 if momentum else inc1
+    m2_new = momentum * m2 + inc2 if momentum else inc2
+    return hom1 + m1_new, hom2 + m2_new, m1_new, m2_new
+
+
+def chunk_momentum_update(
+    w1: Tensor,
+    w2: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+    k: Tensor,
+    e: Tensor,
+    a: Tensor,
+    d: Tensor,
+    theta: Tensor,
+    eta: Tensor,
+    keep: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Titans write of one chunk (Ti eqs. 13-14, chunked per eqs. 16-18).
+
+    Token recurrence, gradients g_t at the chunk-start weights W_0:
+      S_t = eta_t S_{t-1} - theta_t g_t,   W_t = keep_t W_{t-1} + S_t,
+    with keep_t = 1 - alpha_t. With b_t = prod eta, a_t = prod keep (chunk-local):
+      S_C = b_C S_0 - sum_s (b_C/b_s) theta_s g_s
+      W_C = a_C W_0 + c S_0 - sum_s w_s theta_s g_s,
+      c = sum_j (a_C/a_j) b_j,   w_s = sum_{j>=s} (a_C/a_j)(b_j/b_s).
+    g_t for W1 is E_t A_t^T and for W2 is D_t k_t^T. Shapes as in
+    ``chunk_dgd_update``; theta/eta/keep [B, H, C]. Returns (w1, w2, s1, s2).
+    """
+    log_b = torch.cumsum(torch.log(eta), dim=-1)  # log b_t
+    log_a = torch.cumsum(torch.log(keep), dim=-1)  # log a_t
+    n = eta.shape[-1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=eta.device).tril()  # j >= s
+    # log[(a_C/a_j)(b_j/b_s)] indexed [j, s]
+    logit = (log_a[..., -1:] - log_a + log_b).unsqueeze(-1) - log_b.unsqueeze(-2)
+    logit = torch.where(lower, logit, torch.zeros_like(logit))
+    pair = torch.where(lower, torch.exp(logit), torch.zeros_like(logit))
+    weight_w = pair.sum(-2) * theta  # [B, H, C]: w_s theta_s
+    carry = torch.exp(log_a[..., -1:] - log_a + log_b).sum(-1)[..., None, None]  # c
+    weight_s = torch.exp(log_b[..., -1:] - log_b) * theta  # (b_C/b_s) theta_s
+    b_end = torch.exp(log_b[..., -1])[..., None, None]
+    a_end = torch.exp(log_a[..., -1])[..., None, None]
+
+    def grad_sum(weight: Tensor) -> tuple[Tensor, Tensor]:
+        g1 = torch.einsum("bhto,bhtm->bhom", weight.unsqueeze(-1) * e, a)
+        g2 = torch.einsum("bhtm,bhti->bhmi", weight.unsqueeze(-1) * d, k)
+        return g1, g2
+
+    gw1, gw2 = grad_sum(weight_w)
+    gs1, gs2 = grad_sum(weight_s)
+    new_w1 = a_end * w1 + carry * s1 - gw1
+    new_w2 = a_end * w2 + carry * s2 - gw2
+    return new_w1, new_w2, b_end * s1 - gs1, b_end * s2 - gs2

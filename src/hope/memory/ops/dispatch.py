@@ -1,0 +1,149 @@
+"""One dispatch point for memory writes (STYLE habit 8).
+
+Backends:
+- ``"torch"`` (default): closed-form chunk updates of ``chunk.py`` on rank-1
+  gradient factors; no loop over tokens.
+- ``"naive"``: the token-loop twins of ``naive.py`` with autograd-materialized
+  per-token gradients; the test oracle.
+- ``"fla"``: flash-linear-attention's ``chunk_gated_delta_rule`` supplies the
+  W2 delta-rule part of a preconditioned DGD write (MECHANISMS §8.1 note);
+  imported lazily, so the package never needs it. Untested here (CPU only).
+
+``set_default_backend`` overrides the default (tests, benchmarks); modules
+also accept a per-instance ``backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, cast
+
+import torch
+from torch import Tensor
+
+from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
+from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
+from hope.memory.residual_mlp import FastWeights, Objective, grad_factors
+
+Backend = Literal["torch", "naive", "fla"]
+BACKENDS: tuple[str, ...] = ("torch", "naive", "fla")
+_default_backend: Backend = "torch"
+
+
+def set_default_backend(name: str) -> None:
+    global _default_backend
+    _default_backend = resolve_backend(name)
+
+
+def resolve_backend(name: str | None) -> Backend:
+    if name is None:
+        return _default_backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown memory backend {name!r}; expected one of {BACKENDS}")
+    return cast(Backend, name)
+
+
+def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) -> Tensor:
+    """W2 after a preconditioned chunk via FLA's gated delta rule.
+
+    Ours: S_t = alpha_t S_{t-1} (I - beta_t k k^T) + beta_t v'_t k_t^T with
+    beta = eta/alpha and v' = -alpha D (MECHANISMS §8.1); FLA keeps S^T as
+    [B, H, K, V] and takes [B, T, H, *] inputs with log-space gates.
+    """
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as err:
+        raise RuntimeError(
+            "memory backend 'fla' needs flash-linear-attention "
+            "(pip install flash-linear-attention); use backend 'torch'"
+        ) from err
+    value = -alpha.unsqueeze(-1) * d  # [B, H, C, M]
+    _, final = chunk_gated_delta_rule(
+        q=k.transpose(1, 2),
+        k=k.transpose(1, 2),
+        v=value.transpose(1, 2),
+        g=alpha.log().transpose(1, 2),
+        beta=(eta / alpha).transpose(1, 2),
+        initial_state=w2.transpose(-1, -2).contiguous(),
+        output_final_state=True,
+    )
+    return final.transpose(-1, -2).to(w2.dtype)
+
+
+def dgd_write(
+    fast: FastWeights,
+    k: Tensor,
+    target: Tensor,
+    eta: Tensor,
+    alpha: Tensor,
+    *,
+    objective: Objective,
+    residual: bool,
+    precondition: bool,
+    momentum: float,
+    backend: str | None = None,
+) -> FastWeights:
+    """One chunk's DGD write of a self-modifying memory (NL-arXiv eq. 88).
+
+    k [B,H,C,I] keys, target [B,H,C,O] self-generated v_hat, eta/alpha [B,H,C].
+    Gradients are taken at ``fast`` (the chunk-start state).
+    """
+    name = resolve_backend(backend)
+    if name == "naive":
+        g1, g2 = naive_inner_grads(fast.w1, fast.w2, k, target, objective, residual)
+        out = naive_dgd_update(
+            fast.w1, fast.w2, fast.m1, fast.m2, k, g1, g2, eta, alpha, precondition, momentum
+        )
+        return fast.with_weights(*out)
+    if name == "fla" and (not precondition or momentum):
+        raise ValueError("memory backend 'fla' supports only precondition=True, momentum=0")
+    fac = grad_factors(fast.w1, fast.w2, k, target, objective, residual)
+    # For 'fla' the cheap decay-only W2 path runs here and is replaced below.
+    w1, w2, m1, m2 = chunk_dgd_update(
+        fast.w1,
+        fast.w2,
+        fast.m1,
+        fast.m2,
+        k,
+        fac.e,
+        fac.a,
+        fac.d,
+        eta,
+        alpha,
+        precondition and name == "torch",
+        momentum,
+    )
+    if name == "fla":
+        w2 = _fla_delta_w2(fast.w2, k, fac.d, eta, alpha)
+        m2 = torch.zeros_like(w2)  # momentum is 0, so m2 is never read
+    return fast.with_weights(w1, w2, m1, m2)
+
+
+def momentum_write(
+    fast: FastWeights,
+    k: Tensor,
+    target: Tensor,
+    theta: Tensor,
+    eta: Tensor,
+    keep: Tensor,
+    *,
+    objective: Objective,
+    residual: bool,
+    backend: str | None = None,
+) -> FastWeights:
+    """One chunk's Titans write (Ti eqs. 13-14; chunked per Ti eqs. 16-18).
+
+    ``fast.m1/m2`` hold the surprise momentum S; theta (step), eta (momentum
+    decay) and keep = 1 - alpha (retention) are [B,H,C].
+    """
+    name = resolve_backend(backend)
+    if name == "naive":
+        g1, g2 = naive_inner_grads(fast.w1, fast.w2, k, target, objective, residual)
+        out = naive_momentum_update(fast.w1, fast.w2, fast.m1, fast.m2, g1, g2, theta, eta, keep)
+        return fast.with_weights(*out)
+    if name == "fla":
+        raise ValueError("memory backend 'fla' has no Titans momentum write; use 'torch'")
+    fac = grad_factors(fast.w1, fast.w2, k, target, objective, residual)
+    out = chunk_momentum_update(
+        fast.w1, fast.w2, fast.m1, fast.m2, k, fac.e, fac.a, fac.d, theta, eta, keep
+    )
+    return fast.with_weights(*out)

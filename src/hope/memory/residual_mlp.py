@@ -1,0 +1,132 @@
+"""Per-sample, per-head 2-layer MLP memories and their rank-1 gradient factors.
+
+A memory is M(z) = z + W1 gelu(W2 z) (MECHANISMS §3; NL-arXiv eqs. 89/91), or
+M(z) = W1 gelu(W2 z) when d_out != d_in (the scalar memories M_eta, M_alpha).
+Its weights are *fast state* with a leading batch axis, so every sample owns
+its memory: W2 [B, H, h_m, d_in], W1 [B, H, d_out, h_m]. The initial state is
+a meta parameter [H, ...] (``MemoryInit``) expanded per context.
+
+The inner loss of one token is l2: ||M(k) - v_hat||^2 (no 1/2, as in Ref) or
+dot: -<M(k), v_hat>. Its weight gradient is a sum of rank-1 outer products
+(MECHANISMS §3 step 6); ``grad_factors`` returns the factors only, never the
+per-token [T, h_m, d_in] gradient matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+Objective = Literal["l2", "dot"]
+
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@dataclass
+class FastWeights:
+    """One memory's fast state; every tensor has a leading batch axis B."""
+
+    w1: Tensor  # [B, H, d_out, h_m]
+    w2: Tensor  # [B, H, h_m, d_in]
+    m1: Tensor  # [B, H, d_out, h_m]  chunk-level momentum of the W1 increment
+    m2: Tensor  # [B, H, h_m, d_in]   chunk-level momentum of the W2 increment
+
+    def detach(self) -> FastWeights:
+        return FastWeights(self.w1.detach(), self.w2.detach(), self.m1.detach(), self.m2.detach())
+
+    def select(self, index: slice) -> FastWeights:
+        """The state of samples ``index`` (for batch-independence checks)."""
+        return FastWeights(self.w1[index], self.w2[index], self.m1[index], self.m2[index])
+
+    def with_weights(self, w1: Tensor, w2: Tensor, m1: Tensor, m2: Tensor) -> FastWeights:
+        return replace(self, w1=w1, w2=w2, m1=m1, m2=m2)
+
+
+@dataclass
+class GradFactors:
+    """Rank-1 factors of the per-token inner gradient (MECHANISMS §3 step 6).
+
+    dL_t/dW1 = E_t A_t^T and dL_t/dW2 = D_t k_t^T.
+    """
+
+    e: Tensor  # [B, H, T, d_out]  output error
+    a: Tensor  # [B, H, T, h_m]    hidden activation gelu(W2 k)
+    d: Tensor  # [B, H, T, h_m]    back-propagated hidden error
+
+
+def gelu_derivative(z: Tensor) -> Tensor:
+    """d/dz [z Phi(z)] = Phi(z) + z phi(z) for the exact (erf) GELU."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
+    return cdf + z * pdf
+
+
+def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
+    """Pre-activation W2 z: w2 [B, H, h_m, d_in], z [B, H, T, d_in] -> [B, H, T, h_m]."""
+    return torch.einsum("bhmi,bhti->bhtm", w2, z)
+
+
+def mlp_apply(w1: Tensor, w2: Tensor, z: Tensor, residual: bool) -> Tensor:
+    """M(z) = [z +] W1 gelu(W2 z), batched over [B, H, T]; -> [B, H, T, d_out]."""
+    out = torch.einsum("bhom,bhtm->bhto", w1, F.gelu(mlp_hidden(w2, z)))
+    return out + z if residual else out
+
+
+def inner_loss(
+    w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: bool
+) -> Tensor:
+    """Per-token inner loss [B, H, T] of the memory on keys k and targets v_hat."""
+    pred = mlp_apply(w1, w2, k, residual)
+    if objective == "l2":
+        return (pred - target).pow(2).sum(-1)
+    return -(pred * target).sum(-1)
+
+
+def grad_factors(
+    w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: bool
+) -> GradFactors:
+    """Factors E, A, D of the inner gradient at weights (w1, w2).
+
+    The target is a constant of the inner loss (NL-arXiv eq. 84: v_hat is
+    produced by the memory but not differentiated through in the inner step),
+    which is automatic here because the gradient is written out by hand; the
+    outer graph may still flow through ``target``.
+    """
+    pre = mlp_hidden(w2, k)  # [B, H, T, h_m]
+    act = F.gelu(pre)
+    if objective == "l2":
+        pred = torch.einsum("bhom,bhtm->bhto", w1, act)
+        if residual:
+            pred = pred + k
+        err = 2.0 * (pred - target)
+    else:
+        err = -target
+    hidden_err = torch.einsum("bhom,bhto->bhtm", w1, err) * gelu_derivative(pre)
+    return GradFactors(e=err, a=act, d=hidden_err)
+
+
+class MemoryInit(nn.Module):
+    """Meta-learned initial state of one memory for H heads.
+
+    W2_0 ~ N(0, 1/d_in) keeps the hidden pre-activation O(1); W1_0 ~ N(0, std)
+    is small, so a residual memory starts near the identity and a scalar one
+    near zero.
+    """
+
+    def __init__(self, n_heads: int, d_in: int, d_hidden: int, d_out: int, w1_std: float):
+        super().__init__()
+        self.d_in, self.d_hidden, self.d_out = d_in, d_hidden, d_out
+        self.residual = d_out == d_in
+        self.w2 = nn.Parameter(torch.randn(n_heads, d_hidden, d_in) / math.sqrt(d_in))
+        self.w1 = nn.Parameter(torch.randn(n_heads, d_out, d_hidden) * w1_std)
+
+    def init_state(self, batch_size: int) -> FastWeights:
+        """Per-sample fast state at context start (a differentiable view of the params)."""
+        w1 = self.w1.unsqueeze(0).expand(batch_size, -1, -1, -1)
+        w2 = self.w2.unsqueeze(0).expand(batch_size, -1, -1, -1)
+        return FastWeights(w1=w1, w2=w2, m1=torch.zeros_like(w1), m2=torch.zeros_like(w2))

@@ -1,0 +1,73 @@
+"""Causal multi-head self-attention with rotary positions and a KV cache for streaming."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hope.model.layers import RMSNorm, apply_rotary, rotary_tables
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every token seen so far in this context."""
+
+    k: torch.Tensor  # [B, H, T_past, D]
+    v: torch.Tensor  # [B, H, T_past, D]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        rope_base: float = 10000.0,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if dim % n_heads != 0:
+            raise ValueError(f"dim={dim} must be divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.head_dim = dim // n_heads
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head dim {self.head_dim} must be even for rotary embedding")
+        self.rope_base = rope_base
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.out.residual_projection = True  # type: ignore[assignment]
+        # Optional per-head RMSNorm of q and k (MECHANISMS §1 "q/k norm").
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+
+    def init_state(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> KVCache:
+        empty = torch.zeros(batch_size, self.n_heads, 0, self.head_dim, device=device, dtype=dtype)
+        return KVCache(k=empty, v=empty.clone())
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None, pos: int
+    ) -> tuple[torch.Tensor, KVCache]:
+        """x [B, T, d] at absolute positions pos..pos+T-1 -> (y [B, T, d], cache incl. x)."""
+        batch, length, dim = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary_tables(self.head_dim, pos, length, self.rope_base, x.device, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        past = 0 if cache is None else cache.k.shape[2]
+        if past > 0 and cache is not None:
+            k = torch.cat((cache.k.to(k.dtype), k), dim=2)  # [B, H, past+T, D]
+            v = torch.cat((cache.v.to(v.dtype), v), dim=2)
+            # Query i (absolute past+i) sees keys 0..past+i; a static mask, no host sync.
+            key_pos = torch.arange(past + length, device=x.device)
+            query_pos = torch.arange(past, past + length, device=x.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [T, past+T]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, length, dim)
+        return self.out(y), KVCache(k=k, v=v)

@@ -1,0 +1,78 @@
+"""Small building blocks shared by every variant: RMSNorm, rotary embedding, MLPs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * g, computed in fp32 so bf16 autocast does not lose the scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(normed.dtype)).to(x.dtype)
+
+
+def rotary_tables(
+    head_dim: int, start: int, length: int, base: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [length, head_dim/2] for absolute positions start..start+length-1.
+
+    Positions are absolute so a streamed call at offset ``start`` rotates exactly as
+    the same tokens inside one long call (the streaming invariant).
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=work) / head_dim)
+    positions = torch.arange(start, start + length, device=device, dtype=work)
+    angles = torch.outer(positions, inv_freq)  # [T, D/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]) of x [B, H, T, D] by the position angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def swiglu_hidden(dim: int, mlp_ratio: float, multiple_of: int = 8) -> int:
+    """Hidden width of a SwiGLU MLP with the parameter count of a GELU MLP of ratio mlp_ratio.
+
+    SwiGLU has three matrices instead of two, so 2/3 of the GELU width keeps the size.
+    """
+    hidden = int(round(2.0 * mlp_ratio * dim / 3.0))
+    return max(multiple_of, (hidden + multiple_of - 1) // multiple_of * multiple_of)
+
+
+class MLP(nn.Module):
+    """Position-wise MLP d -> hidden -> d; ``down`` is a residual projection (scaled init)."""
+
+    def __init__(
+        self, dim: int, hidden: int, activation: Literal["swiglu", "gelu"] = "swiglu"
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        width = 2 * hidden if activation == "swiglu" else hidden
+        self.up = nn.Linear(dim, width, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.down.residual_projection = True  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.activation == "swiglu":
+            gate, value = h.chunk(2, dim=-1)
+            h = F.silu(gate) * value
+        else:
+            h = F.gelu(h)
+        return self.down(h)

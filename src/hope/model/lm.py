@@ -1,0 +1,95 @@
+"""The language-model shell shared by every variant (MECHANISMS §1 "Shell").
+
+tokens [B, T] -> embedding -> L blocks -> final RMSNorm -> tied LM head -> logits [B, T, V].
+Blocks follow one contract: ``init_state(batch_size, device) -> state`` and
+``forward(x [B, T, d], state, pos: int) -> (x, state)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hope.model.config import ModelConfig
+from hope.model.layers import RMSNorm
+
+
+@dataclass
+class LMState:
+    """Fast state of one context: one entry per block plus the absolute position.
+
+    ``pos`` is a Python int (the number of tokens consumed) so it never needs a host sync.
+    """
+
+    blocks: list[Any]
+    pos: int = 0
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("model.vocab_size is unresolved; build the model from a loaded Config")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = blocks
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, init_std) everywhere; residual projections scaled by 1/sqrt(2L) (GPT-2).
+
+        Modules that need a special init (gates, memory biases) define
+        ``init_extra_parameters()``; it runs after the default init.
+        """
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * max(1, len(self.blocks)))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                scaled = getattr(module, "residual_projection", False)
+                nn.init.normal_(module.weight, std=residual_std if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+        for module in self.modules():
+            extra = getattr(module, "init_extra_parameters", None)
+            if callable(extra):
+                extra()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def init_state(self, batch_size: int) -> LMState:
+        blocks = [cast(Any, block).init_state(batch_size, self.device) for block in self.blocks]
+        return LMState(blocks, pos=0)
+
+    def forward(
+        self, tokens: torch.Tensor, state: LMState | None = None
+    ) -> tuple[torch.Tensor, LMState]:
+        """tokens [B, T] -> (logits [B, T, V], state after these tokens); None = fresh context."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        if state is None:
+            state = self.init_state(tokens.shape[0])
+        x = self.embed(tokens)  # [B, T, d]
+        new_states = []
+        for block, block_state in zip(self.blocks, state.blocks, strict=True):
+            x, block_state = block(x, block_state, state.pos)
+            new_states.append(block_state)
+        logits = F.linear(self.norm(x), self.embed.weight)  # tied head
+        return logits, LMState(new_states, state.pos + tokens.shape[1])
+
+    def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy over a fresh context (fp32 logits)."""
+        logits, _ = self(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,204 @@
+"""Inner (fast-weight) update rules behind one interface (NL §2.3; MECHANISMS §6).
+
+Every rule acts on one linear map of a memory, batched over samples, and returns
+the new fast delta Δ (the weight in force is θ0 + Δ, MECHANISMS §2 "Meta vs fast")
+and the new momentum. One call = one chunk boundary (NL eq. 31):
+
+    grad    [B, O, I]  Σ_{t∈chunk} g_t x_tᵀ, the chunk-summed gradient of the inner
+                       objective at the chunk-start weights (rank-1 per token)
+    inputs  [B, C, I]  the map's inputs x_t over the chunk (used by the DGD erase term)
+    weight  [B, O, I]  θ0 + Δ, the chunk-start weight (used by the erase term)
+    gate    [B]        surprise gate (MECHANISMS §4): where False the state is unchanged
+
+Retention α acts on Δ only, i.e. it pulls the weight back toward θ0 (α = 1 keeps Δ).
+Everything is sync-free: no Python branch depends on tensor values.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+
+def _keep_where(gate: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
+    """new where the gate is open, old where it is closed (per sample, no host sync)."""
+    if gate is None:
+        return new
+    mask = gate.to(torch.bool).view(-1, *([1] * (new.dim() - 1)))
+    return torch.where(mask, new, old)
+
+
+def erase_term(weight: Tensor, inputs: Tensor) -> Tensor:
+    """W · Σ_t x_t x_tᵀ as rank-1 factors: Σ_t (W x_t) x_tᵀ.  [B, O, I]
+
+    This is the chunk-level DGD erase (NL "Going Beyond Simple Backpropagation"):
+    it removes from W what it currently maps along each x_t.
+    """
+    read = torch.einsum("boi,bci->bco", weight, inputs)  # [B, C, O]
+    return torch.einsum("bco,bci->boi", read, inputs)
+
+
+def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Batched cubic Newton–Schulz orthogonalisation of x [B, O, I] (NL "None Linear Outputs").
+
+    X ← X/||X||_F, then X ← ½X(3I − XᵀX) ``steps`` times, iterating on the short side.
+    A zero matrix stays zero (the norm is clamped, not branched on).
+    """
+    wide = x.shape[-2] > x.shape[-1]
+    y = x.transpose(-1, -2) if wide else x  # [B, m, n] with m <= n
+    y = y / y.flatten(-2).norm(dim=-1).clamp_min(eps)[:, None, None]
+    for _ in range(steps):
+        y = 1.5 * y - 0.5 * (y @ y.transpose(-1, -2)) @ y
+    return y.transpose(-1, -2) if wide else y
+
+
+class InnerRule(ABC):
+    """One chunk-boundary update Δ, m ← rule(Δ, m, grad, inputs, weight), gated per sample."""
+
+    def __init__(self, lr: float, retention: float = 1.0) -> None:
+        if lr < 0:
+            raise ValueError(f"inner rule: lr must be >= 0, got {lr}")
+        if not 0.0 <= retention <= 1.0:
+            raise ValueError(f"inner rule: retention must be in [0, 1], got {retention}")
+        self.lr = lr
+        self.retention = retention
+
+    uses_momentum: bool = False
+    uses_inputs: bool = False
+
+    @abstractmethod
+    def _update(
+        self,
+        delta: Tensor,
+        momentum: Tensor | None,
+        grad: Tensor,
+        inputs: Tensor | None,
+        weight: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Ungated update."""
+
+    def step(
+        self,
+        delta: Tensor,
+        momentum: Tensor | None,
+        grad: Tensor,
+        inputs: Tensor | None = None,
+        weight: Tensor | None = None,
+        gate: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Apply one chunk update; samples whose gate is closed keep Δ and m unchanged."""
+        if self.uses_momentum and momentum is None:
+            raise ValueError(f"{type(self).__name__} needs a momentum buffer (got None)")
+        if self.uses_inputs and (inputs is None or weight is None):
+            raise ValueError(f"{type(self).__name__} needs the chunk inputs and current weight")
+        new_delta, new_momentum = self._update(delta, momentum, grad, inputs, weight)
+        delta_out = _keep_where(gate, new_delta, delta)
+        if new_momentum is None or momentum is None:
+            return delta_out, new_momentum
+        return delta_out, _keep_where(gate, new_momentum, momentum)
+
+
+class GDRule(InnerRule):
+    """Plain GD with retention (NL eq. 31): Δ ← αΔ − η G."""
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        return self.retention * delta - self.lr * grad, momentum
+
+
+class MomentumRule(InnerRule):
+    """Momentum as a memory of gradients (NL §2.3): m ← βm − ηG; Δ ← αΔ + m."""
+
+    uses_momentum = True
+
+    def __init__(self, lr: float, retention: float = 1.0, beta: float = 0.9) -> None:
+        super().__init__(lr, retention)
+        self.beta = beta
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        new_m = self.beta * momentum - self.lr * grad
+        return self.retention * delta + new_m, new_m
+
+
+class DGDRule(InnerRule):
+    """DGD with erase (NL "Going Beyond Simple Backpropagation"), at chunk granularity.
+
+    With W = θ0 + Δ the chunk-start weight and P = Σ_{t∈chunk} x_t x_tᵀ:
+        W_new = θ0 + αΔ − η′ W P − η G     (α = 1: W_new = W(I − η′P) − ηG)
+    i.e. the paper's W(αI − η′ x xᵀ) − η g xᵀ summed over the chunk to first order,
+    with the retention α acting on Δ only. Optional momentum (β > 0) replaces −ηG by
+    m ← βm − ηG. Stable only while η′·||P|| < 2; with RMS-normalised inputs
+    ||x_t||² ≈ d, so η′ must be well below 2/(C·d).
+    """
+
+    uses_inputs = True
+
+    def __init__(self, lr: float, erase: float, retention: float = 1.0, beta: float = 0.0) -> None:
+        super().__init__(lr, retention)
+        if erase < 0:
+            raise ValueError(f"DGDRule: erase must be >= 0, got {erase}")
+        self.erase = erase
+        self.beta = beta
+        self.uses_momentum = beta > 0
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        write = -self.lr * grad
+        new_m = momentum
+        if self.uses_momentum:
+            new_m = self.beta * momentum + write
+            write = new_m
+        return self.retention * delta - self.erase * erase_term(weight, inputs) + write, new_m
+
+
+class DeltaMomentumRule(InnerRule):
+    """Delta-rule momentum (NL "More Expressive Objectives"), P = I:
+
+        m ← m(βI − ε GᵀG) − ηG;  Δ ← αΔ + m
+
+    the gradient of ||m Gᵀ − I||² w.r.t. m, written with right-multiplication so the
+    shapes close (m, G are [O, I]); ε scales the delta (forgetting) term.
+    """
+
+    uses_momentum = True
+
+    def __init__(
+        self, lr: float, retention: float = 1.0, beta: float = 0.9, delta_coef: float = 1.0
+    ) -> None:
+        super().__init__(lr, retention)
+        self.beta = beta
+        self.delta_coef = delta_coef
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        gram = grad.transpose(-1, -2) @ grad  # [B, I, I]
+        new_m = self.beta * momentum - self.delta_coef * (momentum @ gram) - self.lr * grad
+        return self.retention * delta + new_m, new_m
+
+
+class OrthoMomentumRule(InnerRule):
+    """Momentum with Newton–Schulz output (NL "None Linear Outputs", Muon-like):
+
+    m ← βm + G;  Δ ← αΔ − η NS(m)
+    """
+
+    uses_momentum = True
+
+    def __init__(
+        self, lr: float, retention: float = 1.0, beta: float = 0.9, ns_steps: int = 5
+    ) -> None:
+        super().__init__(lr, retention)
+        self.beta = beta
+        self.ns_steps = ns_steps
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        new_m = self.beta * momentum + grad
+        return self.retention * delta - self.lr * newton_schulz(new_m, self.ns_steps), new_m
+
+
+def make_inner_rule(lr: float, retention: float, momentum: float, erase: float) -> InnerRule:
+    """The rule selected by the CMS knobs (cms_lr, cms_retention, cms_momentum, cms_erase)."""
+    if erase > 0:
+        return DGDRule(lr, erase, retention=retention, beta=momentum)
+    if momentum > 0:
+        return MomentumRule(lr, retention=retention, beta=momentum)
+    return GDRule(lr, retention=retention)

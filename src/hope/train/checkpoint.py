@@ -1,0 +1,133 @@
+"""Checkpoints: atomic ``step_{step:07d}.pt`` files, loadable with ``weights_only=True``.
+
+Everything stored is a tensor, dict, list, int, float, str, bool or None, so
+``torch.load(weights_only=True)`` can read it back without unpickling code.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hope.cli import StageError
+from hope.config import Config, config_from_dict
+from hope.io import atomic_write
+from hope.model.lm import LanguageModel
+from hope.model.registry import build_model
+
+CHECKPOINT_RE = re.compile(r"^step_(\d{7,})\.pt$")
+FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
+
+
+# Knobs that change how a run is observed, not what it computes: changing them
+# must not throw away a resumable checkpoint.
+OBSERVATION_KNOBS = ("log_every", "checkpoint_every", "wandb_mode", "wandb_project")
+
+
+def config_fingerprint(cfg: Config) -> str:
+    data = cfg.to_dict()
+    tree = {section: data[section] for section in FINGERPRINT_SECTIONS}
+    for knob in OBSERVATION_KNOBS:
+        tree["train"].pop(knob)
+    blob = json.dumps(tree, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"step_{step:07d}.pt"
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Checkpoint files in ``ckpt_dir``, oldest step first (temp files are ignored)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    paths = list_checkpoints(ckpt_dir)
+    return paths[-1] if paths else None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG the run could touch, as tensors and plain numbers."""
+    _, mt_keys, mt_pos, has_gauss, cached_gauss = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "keys": torch.from_numpy(np.asarray(mt_keys, dtype=np.int64)),
+            "pos": int(mt_pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gauss),
+        },
+        "python": {
+            "version": int(py_version),
+            "internal": torch.tensor(py_internal, dtype=torch.int64),
+            "gauss_next": py_gauss,
+        },
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    py_state = state["python"]
+    internal = tuple(int(v) for v in py_state["internal"].tolist())
+    random.setstate((py_state["version"], internal, py_state["gauss_next"]))
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, payload: dict[str, Any], keep: int = 2) -> Path:
+    """Write ``step_{step:07d}.pt`` atomically, then delete all but the newest ``keep``."""
+    path = checkpoint_path(ckpt_dir, step)
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    for old in list_checkpoints(ckpt_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+        raise StageError(f"{path}: cannot read checkpoint: {err}") from None
+    if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
+        raise StageError(f"{path}: not a training checkpoint (missing model/config)")
+    return payload
+
+
+def load_model(
+    ckpt_dir: Path, map_location: str | torch.device = "cpu"
+) -> tuple[LanguageModel, Config, int]:
+    """Rebuild the model of the latest checkpoint from its stored config and weights."""
+    path = latest_checkpoint(ckpt_dir)
+    if path is None:
+        raise StageError(f"no checkpoint (step_*.pt) in {ckpt_dir}; run `python stages/train.py`")
+    payload = load_checkpoint(path, map_location)
+    cfg = config_from_dict(payload["config"])
+    model = build_model(cfg.model).to(map_location)
+    model.load_state_dict(payload["model"])
+    model.eval()
+    return model, cfg, int(payload["step"])

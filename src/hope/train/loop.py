@@ -1,0 +1,285 @@
+"""The training loop: AdamW + warmup/cosine, periodic validation, resumable checkpoints.
+
+Batches are a pure function of ``(train.seed, step)``, and the checkpoint carries
+model, optimizer, scheduler, RNG state, log rows and the partial log interval, so
+an interrupted run that resumes ends with exactly the metrics of an uninterrupted one.
+Host syncs happen only at log, validation and checkpoint steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hope.config import Config, save_config
+from hope.data.batches import eval_batches, random_batch
+from hope.data.shards import ShardedTokens, load_split
+from hope.io import atomic_write_json
+from hope.model.lm import LanguageModel
+from hope.model.registry import build_model
+from hope.optim.outer import build_optimizer
+from hope.train import checkpoint as ckpt
+from hope.train.device import autocast_dtype, resolve_device, setup_runtime
+from hope.train.logger import TrainLogger, write_tsv
+from hope.train.schedule import build_scheduler
+
+log = logging.getLogger("hope.train")
+
+# Test hook: SIGKILL this process right after step N (and its checkpoint, if any) is done.
+STOP_AFTER_STEP_ENV = "HOPE_STOP_AFTER_STEP"
+
+
+def autocast(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train_step(
+    model: LanguageModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: float,
+    amp_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(x.device, amp_dtype):
+        loss = model.training_loss(x, y)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: LanguageModel,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Mean CE per target token over the batches (the last may be smaller), on device."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = 0
+    for x, y in batches:
+        with autocast(device, amp_dtype):
+            loss = model.training_loss(x.to(device), y.to(device))
+        total += loss.double() * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / max(1, count)
+
+
+class Trainer:
+    """One run: builds everything from ``cfg``, resumes if a matching checkpoint exists."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        train_tokens: ShardedTokens,
+        val_tokens: ShardedTokens,
+        ckpt_dir: Path,
+        report_dir: Path,
+    ) -> None:
+        self.cfg, self.ckpt_dir, self.report_dir = cfg, Path(ckpt_dir), Path(report_dir)
+        self.train_tokens = train_tokens
+        self.device = resolve_device(cfg.train.device)
+        setup_runtime(cfg.train, self.device)
+        self.amp_dtype = autocast_dtype(self.device, cfg.train.precision)
+        self.model = build_model(cfg.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.fingerprint = ckpt.config_fingerprint(cfg)
+        seq_len, batch = cfg.data.seq_len, cfg.train.batch_size
+        self.val_batches = list(eval_batches(val_tokens, batch, seq_len, cfg.train.val_batches))
+        if not self.val_batches:
+            raise ValueError("validation split yields no batches: too few val tokens")
+        self.step = 0
+        self.tokens_seen = 0
+        self.elapsed_s = 0.0
+        self.rows: list[dict[str, Any]] = []
+        self.interval_loss = torch.zeros((), device=self.device)
+        self.interval_steps = 0
+        self.final_metrics: dict[str, Any] | None = None
+        self.interval_start = time.perf_counter()
+
+    def restore_or_reset(self) -> None:
+        latest = ckpt.latest_checkpoint(self.ckpt_dir)
+        if latest is None:
+            return
+        payload = ckpt.load_checkpoint(latest, self.device)
+        if payload.get("fingerprint") != self.fingerprint:
+            log.warning(
+                "config changed (checkpoint %s has fingerprint %s, current config %s): "
+                "starting fresh and deleting old checkpoints",
+                latest.name,
+                payload.get("fingerprint"),
+                self.fingerprint,
+            )
+            for path in ckpt.list_checkpoints(self.ckpt_dir):
+                path.unlink()
+            return
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        ckpt.restore_rng_state(payload["rng"])
+        self.step, self.tokens_seen = int(payload["step"]), int(payload["tokens_seen"])
+        self.elapsed_s = float(payload["elapsed_s"])
+        self.rows = list(payload["log_rows"])
+        self.interval_loss = payload["interval_loss"].to(self.device)
+        self.interval_steps = int(payload["interval_steps"])
+        self.final_metrics = payload.get("metrics")
+        log.info("resuming from step %d (%s)", self.step, latest.name)
+
+    def save(self) -> None:
+        payload = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": ckpt.capture_rng_state(),
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            # Includes the open log interval, so a resumed run's tokens/s stays honest.
+            "elapsed_s": self.elapsed_s + (time.perf_counter() - self.interval_start),
+            "log_rows": self.rows,
+            "interval_loss": self.interval_loss.detach().cpu(),
+            "interval_steps": self.interval_steps,
+            "metrics": self.final_metrics,
+            "config": self.cfg.to_dict(),
+            "fingerprint": self.fingerprint,
+        }
+        ckpt.save_checkpoint(self.ckpt_dir, self.step, payload)
+
+    def run(self) -> dict[str, Any]:
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.ckpt_dir / "config.yaml")
+        self.restore_or_reset()
+        if self.final_metrics is not None and self.step >= self.cfg.train.steps:
+            log.info("all %d steps already done; rewriting reports", self.step)
+            return self.write_reports(self.final_metrics)
+        logger = TrainLogger(self.cfg, self.report_dir, self.rows, self.step)
+        try:
+            self.loop(logger)
+        finally:
+            logger.close()
+        if self.final_metrics is None:  # train.steps == 0: report the initial model
+            row = self.log_row(False, True, 0.0, time.perf_counter(), 0)
+            self.final_metrics = self.metrics(row)
+            self.save()
+        return self.write_reports(self.final_metrics)
+
+    def loop(self, logger: TrainLogger) -> None:
+        cfg = self.cfg.train
+        tokens_per_step = cfg.batch_size * self.cfg.data.seq_len
+        stop_after = int(os.environ.get(STOP_AFTER_STEP_ENV, "0"))
+        self.model.train()
+        self.interval_start, interval_tokens = time.perf_counter(), 0
+        while self.step < cfg.steps:
+            x, y = random_batch(
+                self.train_tokens, cfg.batch_size, self.cfg.data.seq_len, cfg.seed, self.step
+            )
+            lr = float(self.optimizer.param_groups[0]["lr"])  # a Python float: no sync
+            loss = train_step(
+                self.model, self.optimizer, self.scheduler,
+                x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
+                self.cfg.optim.grad_clip, self.amp_dtype,
+            )  # fmt: skip
+            self.interval_loss += loss.float()
+            self.interval_steps += 1
+            self.step += 1
+            self.tokens_seen += tokens_per_step
+            interval_tokens += tokens_per_step
+            logger.advance()
+            last = self.step == cfg.steps
+            is_log = self.step % cfg.log_every == 0 or last
+            is_val = self.step % cfg.val_every == 0 or last
+            if is_log or is_val:
+                row = self.log_row(is_log, is_val, lr, self.interval_start, interval_tokens)
+                self.elapsed_s += time.perf_counter() - self.interval_start
+                self.interval_start, interval_tokens = time.perf_counter(), 0
+                logger.log(row)
+                if last:
+                    self.final_metrics = self.metrics(row)
+            if self.step % cfg.checkpoint_every == 0 or last:
+                self.save()
+            if self.step == stop_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def log_row(
+        self, is_log: bool, is_val: bool, lr: float, interval_start: float, interval_tokens: int
+    ) -> dict[str, Any]:
+        """The only host syncs of the run: interval mean loss and validation loss."""
+        train_loss = None
+        if is_log:
+            train_loss = (self.interval_loss / max(1, self.interval_steps)).item()
+            self.interval_loss.zero_()
+            self.interval_steps = 0
+        val_loss = None
+        if is_val:
+            val_loss = evaluate_loss(
+                self.model, self.val_batches, self.device, self.amp_dtype
+            ).item()
+        seconds = max(time.perf_counter() - interval_start, 1e-9)
+        return {
+            "step": self.step,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "lr": lr,
+            "tokens": self.tokens_seen,
+            "tokens_per_s": interval_tokens / seconds,
+        }
+
+    def metrics(self, last_row: dict[str, Any]) -> dict[str, Any]:
+        val_loss = float(last_row["val_loss"])
+        return {
+            "train_loss": last_row["train_loss"],
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, 50.0)),
+            "steps": self.step,
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_s": self.tokens_seen / max(self.elapsed_s, 1e-9),
+            "wall_time_s": self.elapsed_s,
+            "params": self.model.num_parameters(),
+        }
+
+    def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        write_tsv(self.report_dir, self.rows)
+        atomic_write_json(self.report_dir / "train.json", metrics)
+        return metrics
+
+
+def run_training(
+    cfg: Config,
+    train_tokens: ShardedTokens,
+    val_tokens: ShardedTokens,
+    ckpt_dir: Path,
+    report_dir: Path,
+) -> dict[str, Any]:
+    """Train on in-memory token streams; returns the final metrics (also in train.json)."""
+    return Trainer(cfg, train_tokens, val_tokens, ckpt_dir, report_dir).run()
+
+
+def train(
+    cfg: Config, shard_dir: Path, tokenizer_model: Path | None, ckpt_dir: Path, report_dir: Path
+) -> dict[str, Any]:
+    """Load the train/val shards (checked against the tokenizer) and train."""
+    train_tokens = load_split(shard_dir, "train", tokenizer_model)
+    val_tokens = load_split(shard_dir, "val", tokenizer_model)
+    return run_training(cfg, train_tokens, val_tokens, ckpt_dir, report_dir)

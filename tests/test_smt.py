@@ -1,0 +1,266 @@
+"""Self-modifying Titans: chunked == token loop, streaming, batch, causality, gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hope.memory.conv import CausalDepthwiseConv
+from hope.memory.residual_mlp import mlp_apply
+from hope.memory.smt import SelfModifyingTitans, SMTState
+from hope.model.config import ModelConfig
+
+DT = torch.float64
+T = 13  # odd: partial C_o and C_m chunks at the end
+
+
+def _cfg(**overrides) -> ModelConfig:
+    # A large eta_scale and low retention make every write visible at float64.
+    base = dict(
+        dim=8,
+        n_heads=2,
+        smt_expansion=2,
+        smt_chunk=3,
+        smt_mem_chunk=6,
+        smt_eta_scale=0.05,
+        smt_retention_init=0.9,
+        smt_momentum=0.5,
+        smt_conv_window=3,
+    )
+    return ModelConfig(**(base | overrides))
+
+
+def _module(seed: int = 0, **overrides) -> SelfModifyingTitans:
+    torch.manual_seed(seed)
+    return SelfModifyingTitans(_cfg(**overrides)).to(DT)
+
+
+def _x(batch: int = 2, seq: int = T, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, seq, 8, dtype=DT, generator=torch.Generator().manual_seed(seed))
+
+
+def _state_tensors(state: SMTState) -> dict[str, torch.Tensor]:
+    out = {
+        f"{n}.{f.name}": getattr(m, f.name)
+        for n, m in state.memories.items()
+        for f in dataclasses.fields(m)
+    }
+    if state.conv_tail is not None:
+        out["conv_tail"] = state.conv_tail
+    return out
+
+
+def _assert_states_close(a: SMTState, b: SMTState, atol: float) -> None:
+    ta, tb = _state_tensors(a), _state_tensors(b)
+    assert ta.keys() == tb.keys() and a.chunks_done == b.chunks_done
+    for name in ta:
+        torch.testing.assert_close(ta[name], tb[name], rtol=0, atol=atol, msg=name)
+
+
+def _param_grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    names, params = zip(*module.named_parameters(), strict=True)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return dict(zip(names, grads, strict=True))
+
+
+def _loss(y: torch.Tensor, state: SMTState) -> torch.Tensor:
+    # Include the final state so gradients through the last writes are checked too.
+    return y.pow(2).sum() + sum(t.pow(2).sum() for t in _state_tensors(state).values())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"smt_objective": "dot", "smt_precondition": False, "smt_momentum": 0.0},
+        {"smt_adaptive_q": True, "smt_chunk": 1, "smt_mem_chunk": 4},
+        {"smt_chunk": 4, "smt_mem_chunk": 4, "smt_conv_window": 0},
+    ],
+)
+def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
+    module, x = _module(**overrides), _x()
+    y_fast, s_fast = module(x, backend="torch")
+    y_naive, s_naive = module(x, backend="naive")
+    torch.testing.assert_close(y_fast, y_naive, rtol=0, atol=1e-10)
+    _assert_states_close(s_fast, s_naive, atol=1e-10)
+    g_fast = _param_grads(module, _loss(y_fast, s_fast))
+    g_naive = _param_grads(module, _loss(y_naive, s_naive))
+    for name, g in g_fast.items():
+        assert g is not None and g_naive[name] is not None, name
+        torch.testing.assert_close(g, g_naive[name], rtol=0, atol=1e-10, msg=name)
+
+
+def test_streaming_equals_one_call_at_mem_chunk_splits():
+    module, x = _module(), _x()
+    y_one, s_one = module(x)
+    state, parts = module.init_state(2), []
+    for lo, hi in [(0, 6), (6, 12), (12, T)]:
+        y, state = module(x[:, lo:hi], state)
+        parts.append(y)
+    torch.testing.assert_close(torch.cat(parts, dim=1), y_one, rtol=0, atol=1e-12)
+    _assert_states_close(state, s_one, atol=1e-12)
+
+
+def test_batch_equals_single_runs():
+    module, x = _module(), _x(batch=3)
+    y, state = module(x)
+    for b in range(3):
+        y_b, s_b = module(x[b : b + 1])
+        torch.testing.assert_close(y[b : b + 1], y_b, rtol=0, atol=1e-12)
+        _assert_states_close(state.select(slice(b, b + 1)), s_b, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [0, 5, 7, 12])
+def test_causal_perturbing_later_tokens_keeps_earlier_outputs(t):
+    module, x = _module(), _x()
+    y, _ = module(x)
+    x2 = x.clone()
+    x2[:, t:] += torch.randn_like(x2[:, t:])
+    y2, _ = module(x2)
+    torch.testing.assert_close(y2[:, :t], y[:, :t], rtol=0, atol=1e-13)
+    assert (y2[:, t] - y[:, t]).abs().max() > 1e-6
+
+
+def test_forward_never_changes_parameters_and_writes_change_state():
+    module, x = _module(), _x()
+    before = {n: p.detach().clone() for n, p in module.state_dict().items()}
+    init = module.init_state(2)
+    _, state = module(x, init)
+    for n, p in module.state_dict().items():
+        assert torch.equal(p, before[n]), n
+    for name, mem in state.memories.items():
+        assert (mem.w1 - init.memories[name].w1).abs().max() > 1e-6, name
+        # per-sample states diverge (different inputs per sample)
+        assert (mem.w2[0] - mem.w2[1]).abs().max() > 1e-6, name
+
+
+def test_full_write_grad_reaches_every_parameter():
+    module = _module(write_grad="full")
+    y, _ = module(_x())
+    grads = _param_grads(module, y.pow(2).sum())
+    assert {n.split(".")[1] for n in grads if n.startswith("inits.")} == {
+        "k",
+        "v",
+        "eta",
+        "alpha",
+        "mem",
+    }
+    for name, g in grads.items():
+        assert g is not None and g.abs().max() > 0, name
+
+
+def test_stopgrad_leaves_write_only_parameters_without_gradient():
+    """With every write detached, M_k/M_v/M_eta/M_alpha and b_alpha feed only
+    writes, so they get exactly no gradient; M_mem, W_q, conv, W_o still learn
+    through the reads (M_mem's initial state via the first C_m chunk)."""
+    module = _module(write_grad="stopgrad")
+    y, _ = module(_x())
+    grads = _param_grads(module, y.pow(2).sum())
+    dead = {
+        n for n in grads if n.split(".")[:2] in (["inits", m] for m in ("k", "v", "eta", "alpha"))
+    }
+    dead.add("alpha_bias")
+    assert len(dead) == 9
+    for name, g in grads.items():
+        if name in dead:
+            assert g is None or not g.any(), name
+        else:
+            assert g is not None and g.abs().max() > 0, name
+
+
+def test_truncated_write_grad_windows():
+    """T=13, C_o=3 -> 5 chunks. A window of 5 detaches only after the last chunk
+    (== full). A window of 3 cuts gradient paths, yet M_k's initial state still
+    reaches the chunk-2 read through the M_mem write at the end of chunk 1. A
+    window of 1 detaches M_mem right after that write, so M_k gets none."""
+    x = _x()
+    grads = {}
+    for mode, window in [("full", 4), ("truncated", 5), ("truncated", 3), ("truncated", 1)]:
+        module = _module(write_grad=mode, write_grad_window=window)
+        y, _ = module(x)
+        grads[(mode, window)] = _param_grads(module, y.pow(2).sum())
+    full = grads[("full", 4)]
+    for name, g in full.items():
+        torch.testing.assert_close(grads[("truncated", 5)][name], g, rtol=0, atol=0, msg=name)
+    mid, short = grads[("truncated", 3)]["inits.k.w2"], grads[("truncated", 1)]["inits.k.w2"]
+    assert mid is not None and mid.abs().max() > 0
+    assert (mid - full["inits.k.w2"]).abs().max() > 1e-8
+    assert short is None or not short.any()
+
+
+def test_chunk_at_least_sequence_gives_no_write_outputs_but_flushes():
+    module = _module(smt_chunk=16, smt_mem_chunk=16)
+    x = _x()
+    y, state = module(x)
+    init = module.init_state(2)
+    xc, _ = module.conv(x, init.conv_tail)
+    heads = xc.reshape(2, T, 2, 4).transpose(1, 2)
+    q = module._generate(init.memories, heads).q
+    mem0 = init.memories["mem"]
+    y_ref = module.w_o(mlp_apply(mem0.w1, mem0.w2, q, True).transpose(1, 2).reshape(2, T, 8))
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-13)
+    assert (state.memories["mem"].w1 - mem0.w1).abs().max() > 1e-6  # partial chunk flushed
+
+
+def test_fixed_q_has_no_query_memory_and_adaptive_q_writes_it():
+    assert "q" not in _module().init_state(1).memories
+    module = _module(smt_adaptive_q=True)
+    init = module.init_state(2)
+    _, state = module(_x(), init)
+    assert (state.memories["q"].w2 - init.memories["q"].w2).abs().max() > 1e-6
+
+
+def test_conv_is_causal_and_streams_with_tail():
+    torch.manual_seed(3)
+    conv = CausalDepthwiseConv(5, 4).to(DT)
+    x = torch.randn(2, 11, 5, dtype=DT)
+    y, tail = conv(x, conv.init_tail(2))
+    y1, t1 = conv(x[:, :4], conv.init_tail(2))
+    y2, t2 = conv(x[:, 4:], t1)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-14)
+    torch.testing.assert_close(t2, tail, rtol=0, atol=0)
+    manual = sum(
+        conv.weight[:, j] * torch.nn.functional.pad(x, (0, 0, 3 - j, 0))[:, :11] for j in range(4)
+    )
+    torch.testing.assert_close(y, manual, rtol=0, atol=1e-14)
+
+
+def _w2_norm_ratios(retention: float) -> dict[str, float]:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        dim=16,
+        n_heads=2,
+        smt_expansion=1,
+        smt_chunk=64,
+        smt_mem_chunk=256,
+        smt_retention_init=retention,
+    )
+    module = SelfModifyingTitans(cfg)
+    init = module.init_state(1)
+    with torch.no_grad():
+        _, state = module(torch.randn(1, 2048, 16), init)
+    return {n: (m.w2.norm() / init.memories[n].w2.norm()).item() for n, m in state.memories.items()}
+
+
+def test_retention_at_init_over_2048_tokens():
+    """Eq. 88 decays W toward 0, so ||W2|| tracks prod(alpha) ~ r^2048 at init
+    (writes are tiny, eta ~ 7e-4). With r = 0.9997 (r^2048 = 0.54) every memory
+    stays within 2x of that prediction; with r = 0.995 every memory collapses
+    (r^2048 = 3.5e-5): MECHANISMS §7's "within 2x of init" cannot hold there."""
+    default = ModelConfig().smt_retention_init
+    for name, ratio in _w2_norm_ratios(default).items():
+        assert 0.5 < ratio < 2.0, (name, ratio)  # MECHANISMS §7 "init retention"
+    predicted = default**2048
+    for name, ratio in _w2_norm_ratios(default).items():
+        assert predicted / 2 < ratio < predicted * 2, (name, ratio)
+    for name, ratio in _w2_norm_ratios(0.995).items():
+        assert ratio < 1e-3, (name, ratio)
+
+
+def test_bad_chunk_config_names_the_key():
+    with pytest.raises(
+        ValueError, match="smt_mem_chunk=10 must be a multiple of model.smt_chunk=4"
+    ):
+        SelfModifyingTitans(_cfg(smt_chunk=4, smt_mem_chunk=10))

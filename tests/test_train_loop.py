@@ -1,0 +1,230 @@
+"""Training loop: schedule, sync-free steps, SIGKILL + resume == uninterrupted, config changes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import hope
+from hope.data.shards import ShardedTokens
+from hope.optim.outer import build_optimizer
+from hope.train import checkpoint as ckpt
+from hope.train.device import autocast_dtype, resolve_device
+from hope.train.loop import STOP_AFTER_STEP_ENV, run_training, train_step
+from hope.train.schedule import build_scheduler, lr_factor
+
+VOCAB = 64
+OVERRIDES = [
+    "model.dim=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    f"tokenizer.vocab_size={VOCAB}",
+    "data.seq_len=16",
+    "train.batch_size=4",
+    "train.steps=12",
+    "train.log_every=4",
+    "train.val_every=6",
+    "train.checkpoint_every=3",
+    "train.val_batches=2",
+    "train.device=cpu",
+    "train.num_threads=1",
+    "train.wandb_mode=disabled",
+    "optim.warmup_steps=3",
+    "optim.lr=0.01",
+]
+
+
+def tiny_cfg(*extra: str) -> hope.Config:
+    return hope.load_config(None, [*OVERRIDES, *extra])
+
+
+def token_streams() -> tuple[ShardedTokens, ShardedTokens]:
+    """A learnable stream: a fixed permutation repeated, so token t determines token t+1."""
+    order = np.random.default_rng(0).permutation(VOCAB).astype(np.uint16)
+    stream = np.tile(order, 40)
+    # Two train shards, to exercise windows that cross a shard boundary.
+    return ShardedTokens([stream[:1000], stream[1000:]]), ShardedTokens([stream[:300]])
+
+
+def run(tmp: Path, *extra: str) -> dict[str, Any]:
+    train_tokens, val_tokens = token_streams()
+    return run_training(tiny_cfg(*extra), train_tokens, val_tokens, tmp / "ckpt", tmp / "reports")
+
+
+def latest(ckpt_dir: Path) -> Path:
+    path = ckpt.latest_checkpoint(ckpt_dir)
+    assert path is not None, f"no checkpoint in {ckpt_dir}"
+    return path
+
+
+def read_tsv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle, delimiter="\t"))
+
+
+def test_schedule_warms_up_linearly_then_decays_to_min_ratio() -> None:
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(4, 10, 100, 0.1) == pytest.approx(0.5)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)  # cosine midpoint
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+    cfg = tiny_cfg()
+    model = hope.build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    seen = []
+    for _ in range(cfg.train.steps):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen[:3] == pytest.approx([0.01 / 3, 0.02 / 3, 0.01])
+    assert seen[-1] > 0.001 and optimizer.param_groups[0]["lr"] == pytest.approx(0.001)
+
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+def test_training_step_makes_no_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_cfg()
+    model = hope.build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    x, y = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    train_step(model, optimizer, scheduler, x, y, grad_clip=1.0)  # creates optimizer state
+    calls: list[str] = []
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _n: str = name, _f: Any = original) -> Any:
+            calls.append(_n)
+            return _f(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = train_step(model, optimizer, scheduler, x, y, grad_clip=1.0)
+    assert calls == []
+    # The step did real work, and the counters do see a sync when one happens.
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    loss.item()
+    assert calls == ["item"]
+
+
+def test_sigkilled_run_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    whole = run(tmp_path / "whole")
+    # A real SIGKILL after step 7 (checkpoint at 6, mid log interval): nothing gets cleaned up.
+    env = {**os.environ, STOP_AFTER_STEP_ENV: "7", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    killed = subprocess.run(
+        [sys.executable, __file__, str(tmp_path / "resumed")], env=env, capture_output=True
+    )
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    assert latest(tmp_path / "resumed" / "ckpt").name == "step_0000006.pt"
+    assert not (tmp_path / "resumed" / "reports" / "train.json").exists()
+
+    caplog.set_level(logging.INFO, logger="hope.train")
+    resumed = run(tmp_path / "resumed")
+    assert "resuming from step 6" in caplog.text
+    for key in ("train_loss", "val_loss", "val_ppl", "steps", "tokens_seen", "params"):
+        assert resumed[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-6), key
+    assert whole["steps"] == 12 and whole["tokens_seen"] == 12 * 4 * 16
+    a = ckpt.load_checkpoint(latest(tmp_path / "whole" / "ckpt"))
+    b = ckpt.load_checkpoint(latest(tmp_path / "resumed" / "ckpt"))
+    for name, value in a["model"].items():
+        torch.testing.assert_close(b["model"][name], value, rtol=0, atol=1e-7)
+    rows_a = read_tsv(tmp_path / "whole" / "reports" / "train_log.tsv")
+    rows_b = read_tsv(tmp_path / "resumed" / "reports" / "train_log.tsv")
+    drop_speed = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows_a]
+    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows_b] == drop_speed
+    assert json.loads((tmp_path / "resumed" / "reports" / "train.json").read_text()) == resumed
+
+
+def test_reports_have_the_logged_rows_and_training_learns(tmp_path: Path) -> None:
+    metrics = run(tmp_path)
+    rows = read_tsv(tmp_path / "reports" / "train_log.tsv")
+    assert [r["step"] for r in rows] == ["4", "6", "8", "12"]  # log every 4, val every 6, end
+    assert [r["val_loss"] != "" for r in rows] == [False, True, False, True]
+    assert [r["train_loss"] != "" for r in rows] == [True, False, True, True]
+    assert float(rows[-1]["val_loss"]) == pytest.approx(metrics["val_loss"], rel=1e-5)
+    assert metrics["val_ppl"] == pytest.approx(math.exp(metrics["val_loss"]))
+    # The permutation stream is learnable: well below the uniform log(64) = 4.16.
+    assert metrics["val_loss"] < 3.0 and metrics["train_loss"] < 4.0
+    assert metrics["params"] == sum(
+        p.numel() for p in hope.build_model(tiny_cfg().model).parameters()
+    )
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "ckpt")] == [
+        "step_0000009.pt",
+        "step_0000012.pt",
+    ]
+    assert hope.config.load_config(tmp_path / "ckpt" / "config.yaml").model.dim == 32
+
+
+def test_finished_run_only_rewrites_reports(tmp_path: Path) -> None:
+    first = run(tmp_path)
+    (tmp_path / "reports" / "train.json").unlink()
+    (tmp_path / "reports" / "train_log.tsv").unlink()
+    again = run(tmp_path)
+    assert again == first  # same wall time too: nothing was retrained
+    assert len(read_tsv(tmp_path / "reports" / "train_log.tsv")) == 4
+
+
+def test_changed_config_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run(tmp_path, "train.steps=6")
+    caplog.set_level(logging.INFO, logger="hope.train")
+    changed = run(tmp_path, "train.steps=6", "optim.lr=0.005")
+    assert "config changed" in caplog.text and "resuming" not in caplog.text
+    fresh = run(tmp_path / "fresh", "train.steps=6", "optim.lr=0.005")
+    assert changed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
+    new_fp = ckpt.config_fingerprint(tiny_cfg("train.steps=6", "optim.lr=0.005"))
+    for path in ckpt.list_checkpoints(tmp_path / "ckpt"):
+        assert ckpt.load_checkpoint(path)["fingerprint"] == new_fp
+
+
+def test_bf16_autocast_step_stays_close_to_fp32() -> None:
+    cfg = tiny_cfg()
+    x, y = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    losses = {}
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = hope.build_model(cfg.model)
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+        losses[dtype] = train_step(model, optimizer, scheduler, x, y, 1.0, dtype)
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights fp32
+    assert losses[None].dtype == losses[torch.bfloat16].dtype == torch.float32
+    # Autocast really ran (results differ) yet stays close to fp32.
+    assert losses[None] != losses[torch.bfloat16]
+    assert abs(losses[None] - losses[torch.bfloat16]) < 5e-3
+
+
+def test_device_and_precision_resolution() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(hope.ConfigError, match="train.device"):
+        resolve_device("tpu")
+    assert autocast_dtype(torch.device("cpu"), "auto") is None
+    assert autocast_dtype(torch.device("cpu"), "bf16") == torch.bfloat16
+    assert autocast_dtype(torch.device("cpu"), "fp32") is None
+
+
+def test_zero_steps_reports_the_initial_model(tmp_path: Path) -> None:
+    metrics = run(tmp_path, "train.steps=0")
+    assert metrics["steps"] == 0 and metrics["train_loss"] is None
+    assert abs(metrics["val_loss"] - math.log(VOCAB)) < 0.1  # untrained: near uniform
+    assert latest(tmp_path / "ckpt").name == "step_0000000.pt"
+
+
+if __name__ == "__main__":  # the subprocess of the SIGKILL test
+    run(Path(sys.argv[1]))
