@@ -1,4 +1,7 @@
 # Cluster mirror of dvc.yaml: same rule names, same commands, same files.
+# Outputs are named files rather than directory() outputs, because Snakemake
+# drops a .snakemake_timestamp into directory outputs (and the release bundle's
+# MANIFEST must list every file it holds).
 #   snakemake --cores 2                       # local
 #   snakemake --profile configs/slurm         # SLURM (snakemake-executor-plugin-slurm)
 # params.yaml is the config for both runners; it is validated (unknown keys,
@@ -16,7 +19,7 @@ PRESET = f"configs/presets/{config['preset']}.yaml"
 
 rule all:
     input:
-        "release",
+        "release/MANIFEST",
         "reports/plots/loss.png",
         "reports/plots/passkey.png",
         "reports/plots/lr.png",
@@ -29,7 +32,9 @@ rule download:
         "src/hope/data/download.py",
         PRESET,
     output:
-        directory("data/raw"),
+        "data/raw/train.jsonl",
+        "data/raw/val.jsonl",
+        "data/raw/manifest.json",
     shell:
         "python stages/download.py"
 
@@ -38,9 +43,10 @@ rule tokenizer:
     input:
         "stages/tokenizer.py",
         "src/hope/data/tokenizer.py",
-        "data/raw",
+        "data/raw/manifest.json",
     output:
-        directory("data/tokenizer"),
+        "data/tokenizer/spm.model",
+        "data/tokenizer/coverage.json",
     shell:
         "python stages/tokenizer.py"
 
@@ -49,10 +55,10 @@ rule shard:
     input:
         "stages/shard.py",
         "src/hope/data/shards.py",
-        "data/raw",
-        "data/tokenizer",
+        "data/raw/manifest.json",
+        "data/tokenizer/spm.model",
     output:
-        directory("data/shards"),
+        "data/shards/manifest.json",
     shell:
         "python stages/shard.py"
 
@@ -60,8 +66,8 @@ rule shard:
 rule train:
     input:
         "stages/train.py",
-        "data/shards",
-        "data/tokenizer",
+        "data/shards/manifest.json",
+        "data/tokenizer/spm.model",
         PRESET,
     output:
         directory("models/checkpoints"),
@@ -75,8 +81,8 @@ rule eval:
     input:
         "stages/eval.py",
         "models/checkpoints",
-        "data/shards",
-        "data/tokenizer",
+        "data/shards/manifest.json",
+        "data/tokenizer/spm.model",
     output:
         "reports/eval.json",
         "reports/eval_config.yaml",
@@ -101,10 +107,10 @@ rule release:
     input:
         "stages/release.py",
         "models/checkpoints",
-        "data/tokenizer",
+        "data/tokenizer/spm.model",
         "reports/train.json",
         "reports/eval.json",
     output:
-        directory("release"),
+        "release/MANIFEST",
     shell:
         "python stages/release.py"

@@ -44,6 +44,8 @@ def test_second_repro_does_nothing(dvc_repo: Path) -> None:
     assert "up to date" in status.stdout
     again = run(["dvc", "repro"], dvc_repo)
     assert "Running stage" not in again.stdout
+    one_stage = run(["dvc", "repro", "train"], dvc_repo)
+    assert "Running stage" not in one_stage.stdout
 
 
 def test_plots_render_as_json(dvc_repo: Path) -> None:
@@ -62,6 +64,8 @@ def test_experiment_changes_metric_and_diff_shows_it(dvc_repo: Path) -> None:
     assert after["val_loss"] != before["val_loss"]
     diff = run(["dvc", "metrics", "diff", "--md"], dvc_repo)
     assert "reports/train.json" in diff.stdout and "val_loss" in diff.stdout
+    table = run(["dvc", "exp", "show", "--md"], dvc_repo)
+    assert "train.steps" in table.stdout and "60" in table.stdout
     run(["git", "checkout", "--", "."], dvc_repo)
     run(["dvc", "checkout"], dvc_repo)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -76,3 +77,18 @@ def test_slurm_profile_requests_gpus_for_train_and_eval() -> None:
         resources = profile["set-resources"][rule]
         assert resources["gpu"] >= 1 and "gpus" not in resources
     assert set(profile["set-resources"]) <= set(_dvc_stages())
+
+
+def test_dvc_yaml_is_valid_for_dvc(tmp_path: Path) -> None:
+    """`dvc dag` parses and validates dvc.yaml (templating, plots, outs) without running."""
+    proc = subprocess.run(
+        [str(BIN / "dvc"), "dag", "--md"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    for stage in _dvc_stages():
+        assert stage in proc.stdout

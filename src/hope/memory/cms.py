@@ -149,7 +149,7 @@ class CMSLevel(nn.Module):
             pending_inputs=zeros(batch_size, 0, d),
             pending_teach=zeros(batch_size, 0, d),
             pending_scores=zeros(batch_size, 0),
-            updates=torch.zeros(batch_size),
+            updates=torch.zeros(batch_size, device=device),
         )
 
     def _read(self, inputs: Tensor, delta_in: Tensor | None, delta_out: Tensor | None) -> Tensor:

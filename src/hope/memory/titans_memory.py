@@ -70,13 +70,17 @@ class NeuralMemory(nn.Module):
         )
         self.gates = nn.Linear(cfg.dim, 3 * cfg.n_heads)
         nn.init.normal_(self.gates.weight, std=cfg.init_std)
-        with torch.no_grad():
-            bias = [math.log(p / (1 - p)) for p in _GATE_INIT.values()]
-            self.gates.bias.copy_(torch.tensor(bias).repeat_interleave(cfg.n_heads))
+        self.init_extra_parameters()
         hidden = cfg.smt_expansion * self.d_head
         self.init = MemoryInit(cfg.n_heads, self.d_head, hidden, self.d_head, cfg.init_std)
         self.w_o = nn.Linear(cfg.dim, cfg.dim, bias=False)
         nn.init.normal_(self.w_o.weight, std=cfg.init_std)
+
+    def init_extra_parameters(self) -> None:
+        """Gate biases; also rerun by ``LanguageModel.reset_parameters``, which zeroes biases."""
+        with torch.no_grad():
+            bias = [math.log(p / (1 - p)) for p in _GATE_INIT.values()]
+            self.gates.bias.copy_(torch.tensor(bias).repeat_interleave(self.n_heads))
 
     def init_state(
         self, batch_size: int, device: torch.device | str | None = None

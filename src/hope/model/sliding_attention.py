@@ -1,0 +1,127 @@
+"""Attention with persistent memory tokens (Ti eq. 19) for the Titans variants.
+
+Two masks over one set of projections (inherited from ``CausalSelfAttention``):
+
+- ``forward``: causal sliding-window attention "SW-Attn*" of MAG/MAL (Ti §4.2-4.3,
+  Fig. 3b). Query t sees the keys at t-W+1..t (W = ``window``, itself included),
+  plus the N_p persistent tokens. A KV cache of the last W-1 tokens makes chained
+  calls equal one call for any split.
+- ``forward_with_context``: MAC's segment attention Attn([P || h || S]) (Ti eqs. 21-23,
+  Fig. 3a): query i of a segment sees P, the memory tokens h_0..h_i and the segment
+  tokens S_0..S_i. h_j = M*(q(S_j)) is read with S_j's own query, so it is visible
+  causally (j <= i), not fully: a fully visible h_j (j > i) would leak token j.
+
+The persistent tokens P are learned model-space vectors sent through the same
+q/k/v projection. They are never written into any memory. They carry no rotary
+position: their scores use the un-rotated query, so every query sees P at the same
+relative offset, however long the context (an always-visible "sink", Ti §3.3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from hope.model.attention import CausalSelfAttention, KVCache
+from hope.model.layers import apply_rotary, rotary_tables
+
+
+def sliding_window_mask(past: int, length: int, window: int, device: torch.device) -> Tensor:
+    """Visibility [length, past+length] of keys at positions -past..length-1 (relative).
+
+    Query i sees key j iff i-window < j <= i. Built from static ints + arange (no sync).
+    """
+    key_pos = torch.arange(-past, length, device=device)
+    query_pos = torch.arange(length, device=device)
+    offset = query_pos[:, None] - key_pos[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+class PersistentAttention(CausalSelfAttention):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_persistent: int,
+        window: int,
+        rope_base: float = 10000.0,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__(dim, n_heads, rope_base, qk_norm, norm_eps)
+        if n_persistent < 0:
+            raise ValueError(f"model.titans_persistent={n_persistent} must be >= 0")
+        if window < 1:
+            raise ValueError(f"model.titans_window={window} must be >= 1")
+        self.window = window
+        # Unit scale, like the RMS-normalized tokens they sit beside.
+        self.persistent = nn.Parameter(torch.randn(n_persistent, dim)) if n_persistent else None
+
+    def _heads(self, x: Tensor, pos: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, d] at positions pos.. -> q, q rotated, k rotated, v; each [B, H, T, D]."""
+        batch, length, _ = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary_tables(self.head_dim, pos, length, self.rope_base, x.device, q.dtype)
+        return q, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _attend(self, q: Tensor, q_rot: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+        """Softmax over [P || context]: q [B,H,T,D], k/v [B,H,K,D], visible [T, K] -> [B,T,d]."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = torch.einsum("bhtd,bhkd->bhtk", q_rot, k) * scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        values = v
+        if self.persistent is not None:
+            p = self.persistent.to(q.dtype)[None]  # [1, N_p, d]
+            k_p, v_p = self._persistent_kv(p)
+            p_scores = torch.einsum("bhtd,hpd->bhtp", q, k_p) * scale  # no rotary: position-free
+            scores = torch.cat((p_scores, scores), dim=-1)
+            values = torch.cat((v_p.expand(v.shape[0], -1, -1, -1), v), dim=2)
+        # Softmax in at least fp32 (bf16 autocast), in fp64 for fp64 checks.
+        work = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
+        probs = torch.softmax(scores, dim=-1, dtype=work).to(v.dtype)
+        y = torch.einsum("bhtk,bhkd->bthd", probs, values)
+        return self.out(y.flatten(2))
+
+    def _persistent_kv(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys/values of P [1, N_p, d] -> (k [H, N_p, D], v [1, H, N_p, D]), un-rotated."""
+        _, n_p, _ = p.shape
+        kv = self.qkv(p).view(1, n_p, 3, self.n_heads, self.head_dim)
+        _, k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each [1, H, N_p, D]
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return k[0], v
+
+    def forward(self, x: Tensor, cache: KVCache | None, pos: int) -> tuple[Tensor, KVCache]:
+        """Sliding-window attention over [P || cache || x]; x [B, T, d] at pos.. -> y, cache."""
+        length = x.shape[1]
+        q, q_rot, k, v = self._heads(x, pos)
+        if cache is not None and cache.k.shape[2] > 0:
+            k = torch.cat((cache.k.to(k.dtype), k), dim=2)  # [B, H, past+T, D]
+            v = torch.cat((cache.v.to(v.dtype), v), dim=2)
+        past = k.shape[2] - length
+        visible = sliding_window_mask(past, length, self.window, x.device)
+        y = self._attend(q, q_rot, k, v, visible)
+        # Only the last W-1 keys can be seen by a later query: the cache stays bounded.
+        keep = min(self.window - 1, k.shape[2])
+        start = k.shape[2] - keep
+        return y, KVCache(k=k[:, :, start:], v=v[:, :, start:])
+
+    def forward_with_context(self, memory_tokens: Tensor, x: Tensor, pos: int) -> Tensor:
+        """MAC segment attention: h, x [B, S, d] at positions pos.. -> y [B, S, d] (Ti eq. 22).
+
+        h_j shares position pos+j with x_j, so the scores of query i with h_j and
+        with x_j see the same relative distance.
+        """
+        length = x.shape[1]
+        q, q_rot, k_x, v_x = self._heads(x, pos)
+        _, _, k_h, v_h = self._heads(memory_tokens, pos)
+        causal = sliding_window_mask(0, length, length, x.device)  # [S, S] lower triangle
+        visible = torch.cat((causal, causal), dim=1)  # [S, 2S] over [h || x]
+        k = torch.cat((k_h, k_x), dim=2)
+        v = torch.cat((v_h, v_x), dim=2)
+        return self._attend(q, q_rot, k, v, visible)

@@ -1,0 +1,213 @@
+"""Titans baselines (Ti §3-4; MECHANISMS §1 "Titans-only"): LMM, MAL, MAG, MAC blocks.
+
+Every block is pre-norm with residuals around each sub-layer (Ti §4.4) and ends
+with x += MLP(N(x)). The long-term memory is ``NeuralMemory`` (Ti eqs. 12-18,
+read before write at chunk granularity); P is the persistent memory (Ti eq. 19),
+used by the attention only and never written into the memory (the memory's own
+meta-learned initial state already plays the role of "memory before any token").
+
+- ``titans_lmm`` (Ti §4.3 "Memory Without Attention"): x += LMM(N(x)).
+- ``titans_mal`` (Ti eqs. 29-31, H3-style layering): x += LMM(N(x)); x += SWA*(N(x)).
+- ``titans_mag`` (Ti eqs. 26-28): x += W(N(SWA*(N(x))) * sigmoid(N(LMM(N(x))))).
+- ``titans_mac`` (Ti eqs. 21-25), per segment s of S = ``titans_chunk`` tokens:
+  h = W_o M*_{s-1}(q(seg)); y = Attn([P || h || seg]); M_s = write(M_{s-1}, y);
+  o = W(N(y) * sigmoid(N(M*(y)))); x += o.
+
+Streaming: the block state is the memory state (+ the SWA KV cache of the last
+``titans_window``-1 tokens for MAG/MAL). Chained calls equal one call when every
+split point is a multiple of ``titans_chunk``: the memory flushes a partial
+chunk, so another split shifts its chunk grid (LMM/MAG/MAL accept it and compute
+that shifted, still causal, model; MAC rejects it because its segments would change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from hope.memory.residual_mlp import FastWeights, mlp_apply
+from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
+from hope.model.attention import KVCache
+from hope.model.config import ModelConfig
+from hope.model.layers import MLP, RMSNorm, swiglu_hidden
+from hope.model.lm import LanguageModel
+from hope.model.registry import register_variant
+from hope.model.sliding_attention import PersistentAttention
+
+
+@dataclass
+class TitansState:
+    """Per-block fast state: memory weights + momentum (+ conv tail), SWA cache."""
+
+    memory: NeuralMemoryState
+    cache: KVCache | None = None  # [B, H, <= W-1, D] for MAG/MAL
+
+
+class GatedCombine(nn.Module):
+    """o = W (N(y) * sigmoid(N(m))): Ti §4.2 "normalize ... followed by a non-linearity",
+    and §4.4 "normalization and gating ... before the final output projection"."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm_y = RMSNorm(dim, eps)
+        self.norm_m = RMSNorm(dim, eps)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.out.residual_projection = True  # type: ignore[assignment]
+
+    def forward(self, y: Tensor, m: Tensor) -> Tensor:
+        return self.out(self.norm_y(y) * torch.sigmoid(self.norm_m(m)))
+
+
+def _attention(cfg: ModelConfig) -> PersistentAttention:
+    return PersistentAttention(
+        cfg.dim, cfg.n_heads, cfg.titans_persistent, cfg.titans_window,
+        cfg.rope_base, cfg.qk_norm, cfg.norm_eps,
+    )  # fmt: skip
+
+
+class _TitansBlock(nn.Module):
+    """Shared parts: the memory, the closing MLP, state construction."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.memory = NeuralMemory(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg.dim, swiglu_hidden(cfg.dim, cfg.mlp_ratio), "swiglu")
+
+    def init_state(self, batch_size: int, device: torch.device) -> TitansState:
+        memory = self.memory.init_state(batch_size, device)
+        attn = self._sliding_attention()
+        if attn is None:
+            return TitansState(memory)
+        cache = attn.init_state(batch_size, device, attn.qkv.weight.dtype)
+        return TitansState(memory, cache)
+
+    def _sliding_attention(self) -> PersistentAttention | None:
+        """The SWA whose KV cache is carried between calls (MAG/MAL); None otherwise."""
+        return None
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TitansLMMBlock(_TitansBlock):
+    """x += LMM(N(x)); x += MLP(N(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.memory_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.memory.w_o.residual_projection = True  # type: ignore[assignment]
+
+    def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
+        m, memory = self.memory(self.memory_norm(x), state.memory)
+        return self._mlp(x + m), TitansState(memory)
+
+
+class TitansMALBlock(TitansLMMBlock):
+    """Memory as a layer (Ti eqs. 29-31): x += LMM(N(x)); x += SWA*(N(x)); x += MLP(N(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = _attention(cfg)
+
+    def _sliding_attention(self) -> PersistentAttention:
+        return self.attn
+
+    def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
+        m, memory = self.memory(self.memory_norm(x), state.memory)
+        x = x + m
+        y, cache = self.attn(self.attn_norm(x), state.cache, pos)
+        return self._mlp(x + y), TitansState(memory, cache)
+
+
+class TitansMAGBlock(_TitansBlock):
+    """Memory as a gate (Ti eqs. 26-28): both branches read N(x); x += gate(SWA*, LMM)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = _attention(cfg)
+        self.gate = GatedCombine(cfg.dim, cfg.norm_eps)
+
+    def _sliding_attention(self) -> PersistentAttention:
+        return self.attn
+
+    def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
+        x_n = self.norm(x)
+        y, cache = self.attn(x_n, state.cache, pos)
+        m, memory = self.memory(x_n, state.memory)
+        return self._mlp(x + self.gate(y, m)), TitansState(memory, cache)
+
+
+class TitansMACBlock(_TitansBlock):
+    """Memory as a context (Ti eqs. 21-25); one Python iteration per segment, none per token.
+
+    The memory chunk equals the segment (both are ``titans_chunk``), so one
+    ``NeuralMemory`` call per segment reads M_{s-1} and writes the segment's y.
+    Eq. 25 reads the updated M_s*(y); reading it for token i would expose y_j,
+    j > i, of the same segment, so the gate read uses M_{s-1} (read before write).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.segment = cfg.titans_chunk
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # W_Q of eq. 21 (SiLU + per-head L2 norm as the memory's own queries, Ti §4.4).
+        self.retrieve_q = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.h_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = _attention(cfg)
+        self.write_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.gate = GatedCombine(cfg.dim, cfg.norm_eps)
+
+    def retrieve(self, x_n: Tensor, fast: FastWeights) -> Tensor:
+        """h = W_o M*(q(x)) for x_n [B, S, d] with the given memory weights (Ti eq. 21)."""
+        batch, length, dim = x_n.shape
+        heads = self.memory.n_heads
+        q = F.silu(self.retrieve_q(x_n)).view(batch, length, heads, dim // heads).transpose(1, 2)
+        read = mlp_apply(fast.w1, fast.w2, F.normalize(q, dim=-1), residual=True)
+        return self.memory.w_o(read.transpose(1, 2).reshape(batch, length, dim))
+
+    def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
+        if pos % self.segment:
+            raise ValueError(
+                f"titans_mac continues a context only at multiples of model.titans_chunk="
+                f"{self.segment}; this call starts at position {pos}"
+            )
+        x_n = self.norm(x)
+        memory, outputs = state.memory, []
+        for start in range(0, x.shape[1], self.segment):
+            seg = x_n[:, start : start + self.segment]  # [B, S, d]
+            h = self.retrieve(seg, memory.memory)  # M_{s-1}: before this segment's write
+            y = self.attn.forward_with_context(self.h_norm(h), seg, pos + start)
+            m, memory = self.memory(self.write_norm(y), memory)  # reads M_{s-1}, writes y
+            outputs.append(self.gate(y, m))
+        return self._mlp(x + torch.cat(outputs, dim=1)), TitansState(memory)
+
+
+def _build(cfg: ModelConfig, block: type[nn.Module]) -> LanguageModel:
+    return LanguageModel(cfg, nn.ModuleList(block(cfg) for _ in range(cfg.n_layers)))
+
+
+@register_variant("titans_lmm")
+def build_titans_lmm(cfg: ModelConfig) -> LanguageModel:
+    return _build(cfg, TitansLMMBlock)
+
+
+@register_variant("titans_mal")
+def build_titans_mal(cfg: ModelConfig) -> LanguageModel:
+    return _build(cfg, TitansMALBlock)
+
+
+@register_variant("titans_mag")
+def build_titans_mag(cfg: ModelConfig) -> LanguageModel:
+    return _build(cfg, TitansMAGBlock)
+
+
+@register_variant("titans_mac")
+def build_titans_mac(cfg: ModelConfig) -> LanguageModel:
+    return _build(cfg, TitansMACBlock)

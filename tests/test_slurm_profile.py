@@ -1,0 +1,232 @@
+"""`snakemake --profile configs/slurm` end to end, against stand-in SLURM commands.
+
+tests/fake_slurm/ holds small sbatch, sacct, squeue, scontrol, sinfo, srun and
+scancel scripts. sbatch logs its argv, runs the `--wrap` payload in the
+background and prints the job id (`--parsable`); sacct reports each job's real
+final state from its exit code. So the real executor plugin builds, submits and
+polls every job, and the jobstep plugin runs each rule through srun, as on a
+cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, copy_repo, pipeline_env
+
+FAKE_SLURM = ROOT / "tests" / "fake_slurm"
+PROFILE = ROOT / "configs" / "slurm" / "config.yaml"
+# The README command, plus one test-only knob: the plugin waits 40 s between
+# status checks by default, which would make six dependent jobs take minutes.
+COMMAND = [
+    "snakemake",
+    "--profile",
+    "configs/slurm",
+    "--slurm-init-seconds-before-status-checks",
+    "1",
+]
+TIMEOUT_S = 240
+
+SMALL_RUN = {
+    ("train", "steps"): 4,
+    ("train", "batch_size"): 2,
+    ("train", "val_every"): 2,
+    ("train", "checkpoint_every"): 2,
+    ("train", "wandb_mode"): "disabled",
+    ("tokenizer", "vocab_size"): 512,
+    ("eval", "max_batches"): 2,
+    ("eval", "passkey_trials"): 2,
+}
+
+
+def _shrink_params(repo: Path) -> None:
+    """Set a tiny run in the copy's params.yaml, only changing keys it already has."""
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for (section, key), value in SMALL_RUN.items():
+        assert key in params[section], f"params.yaml lacks {section}.{key}"
+        params[section][key] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _submitted_rules() -> list[str]:
+    """Every rule of the Snakefile with a command; `all` only gathers targets."""
+    rules = re.findall(r"^rule (\w+):", (ROOT / "Snakefile").read_text(), flags=re.M)
+    return [rule for rule in rules if rule != "all"]
+
+
+def _expected_resources(rule: str) -> dict[str, object]:
+    profile = yaml.safe_load(PROFILE.read_text())
+    resources = dict(profile["default-resources"])
+    resources.update(profile.get("set-resources", {}).get(rule, {}))
+    return resources
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    """sbatch/srun options as a dict: `--k v`, `--k=v` and `-k v` forms; flags map to ''."""
+    options: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "=" in arg:
+            key, value = arg.split("=", 1)
+            options[key] = value
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            options[arg] = argv[i + 1]
+            i += 1
+        else:
+            options[arg] = ""
+        i += 1
+    return options
+
+
+def _step(argv: list[str]) -> tuple[str, dict[str, str]]:
+    """An srun call as (rule of the step's snakemake command, srun's own options)."""
+    command_at = next(i for i, arg in enumerate(argv) if not arg.startswith("-"))
+    return argv[argv.index("--allowed-rules") + 1], _options(argv[:command_at])
+
+
+def _calls(log: Path, command: str) -> list[list[str]]:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [shlex.split(line)[1:] for line in lines if line.split(" ", 1)[0] == command]
+
+
+def _stop_leftover_jobs(state: Path) -> None:
+    """End the sessions of fake jobs still running (only after a failed or timed-out run)."""
+    for file in state.glob("*.state"):
+        _name, status, pid = file.read_text().strip().split("|")
+        if status == "RUNNING" and pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(pid), signal.SIGKILL)
+
+
+def _run_snakemake(repo: Path, log: Path, state: Path) -> subprocess.CompletedProcess[str]:
+    env = pipeline_env(repo)
+    env.update(
+        PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
+        FAKE_SLURM_LOG=str(log),
+        FAKE_SLURM_STATE=str(state),
+        OMP_NUM_THREADS="1",
+    )
+    # No stray allocation of an outer job may leak into the fake one.
+    for var in [v for v in env if v.startswith("SLURM_")]:
+        del env[var]
+    proc = subprocess.Popen(
+        COMMAND,
+        cwd=repo,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        _stop_leftover_jobs(state)
+        raise AssertionError(f"snakemake timed out after {TIMEOUT_S}s\n{out[-6000:]}") from None
+    if proc.returncode != 0:
+        _stop_leftover_jobs(state)
+        job_logs = "\n".join(
+            f"--- {p}\n{p.read_text()[-2000:]}" for p in (repo / ".snakemake").rglob("*.log")
+        )
+        raise AssertionError(
+            f"snakemake exited {proc.returncode}\n{out[-6000:]}\n{job_logs[-6000:]}"
+        )
+    return subprocess.CompletedProcess(COMMAND, proc.returncode, out, "")
+
+
+@pytest.mark.parametrize(("exit_code", "final_state"), [(0, "COMPLETED"), (3, "FAILED")])
+def test_fake_sbatch_reports_the_job_exit_code(
+    tmp_path: Path, exit_code: int, final_state: str
+) -> None:
+    """The stand-ins themselves: a job's exit code becomes its sacct state."""
+    env = dict(
+        os.environ,
+        PATH=f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}",
+        FAKE_SLURM_LOG=str(tmp_path / "log"),
+        FAKE_SLURM_STATE=str(tmp_path / "state"),
+    )
+    submit = ["sbatch", "--parsable", "--job-name", "run-1", "--output", str(tmp_path / "%j.log")]
+    submit += ["-D", str(tmp_path), f"--wrap=echo in job $SLURM_JOB_ID; exit {exit_code}"]
+    jobid = subprocess.run(submit, env=env, capture_output=True, text=True, check=True).stdout
+    query = ["sacct", "-X", "--parsable2", "--noheader", "--name", "run-1"]
+    for _ in range(100):
+        answer = subprocess.run(query, env=env, capture_output=True, text=True, check=True)
+        if answer.stdout.strip().split("|")[-1] in ("COMPLETED", "FAILED"):
+            break
+        time.sleep(0.05)
+    assert answer.stdout == f"{jobid.strip()}|{final_state}\n"
+    assert (tmp_path / f"{jobid.strip()}.log").read_text() == f"in job {jobid}"
+    rejected = subprocess.run(["sbatch", "--gpus-per-node=1"], env=env, capture_output=True)
+    assert rejected.returncode == 1 and b"unrecognized option" in rejected.stderr
+
+
+@pytest.mark.slow
+def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
+    repo = copy_repo(tmp_path / "repo")
+    _shrink_params(repo)
+    log, state = tmp_path / "fake_slurm.log", tmp_path / "fake_slurm_state"
+    result = _run_snakemake(repo, log, state)
+    print(result.stdout[-3000:])
+
+    assert (repo / "release" / "MANIFEST").is_file()
+    assert (repo / "reports" / "eval.json").is_file()
+
+    sbatch = [_options(argv) for argv in _calls(log, "sbatch")]
+    # The submissions without their long --wrap payload, for the test log.
+    print(
+        "\n".join(
+            shlex.join(a for a in argv if not a.startswith("--wrap="))
+            for argv in _calls(log, "sbatch")
+        )
+    )
+    by_rule: dict[str, list[dict[str, str]]] = {}
+    for options in sbatch:
+        by_rule.setdefault(options["--comment"].removeprefix("rule_"), []).append(options)
+    rules = _submitted_rules()
+    assert sorted(by_rule) == sorted(rules)
+    assert all(len(submissions) == 1 for submissions in by_rule.values()), by_rule
+
+    run_ids = {options["--job-name"] for options in sbatch}
+    assert len(run_ids) == 1, "all jobs of one run share the run id as job name"
+    for rule in rules:
+        options, expected = by_rule[rule][0], _expected_resources(rule)
+        assert "--parsable" in options and options["-D"] == str(repo), rule
+        assert options["-p"] == str(expected["slurm_partition"]), rule
+        assert options["-t"] == str(expected["runtime"]), rule
+        assert options["--mem"] == str(expected["mem_mb"]), rule
+        assert options["--cpus-per-task"] == str(expected["cpus_per_task"]), rule
+        gpu = expected.get("gpu")
+        assert options.get("--gpus") == (str(gpu) if gpu else None), rule
+        assert "--gres" not in options, rule
+    assert by_rule["train"][0]["--gpus"] == "1" and by_rule["eval"][0]["--gpus"] == "1"
+    for cpu_rule in ("download", "tokenizer", "shard"):
+        assert "--gpus" not in by_rule[cpu_rule][0]
+
+    # Inside each job the jobstep plugin ran its rule through srun with the same CPUs
+    # and GPUs; the step's command names the rule with --allowed-rules.
+    steps = dict(_step(argv) for argv in _calls(log, "srun"))
+    assert sorted(steps) == sorted(rules)
+    for rule in rules:
+        expected = _expected_resources(rule)
+        assert steps[rule]["--cpus-per-task"] == str(expected["cpus_per_task"]), rule
+        gpu = expected.get("gpu")
+        assert steps[rule].get("--gpus") == (str(gpu) if gpu else None), rule
+    # Status came from sacct, filtered by the run id, and every job reached COMPLETED.
+    polls = _calls(log, "sacct")
+    assert any(argv[argv.index("--name") + 1] in run_ids for argv in polls if "--name" in argv)
+    states = [f.read_text().split("|")[1] for f in state.glob("*.state")]
+    assert states == ["COMPLETED"] * len(rules)
