@@ -23,6 +23,7 @@ rule all:
         "reports/plots/loss.png",
         "reports/plots/passkey.png",
         "reports/plots/lr.png",
+        "reports/bench.json",
 
 
 rule download:
@@ -114,3 +115,14 @@ rule release:
         "release/MANIFEST",
     shell:
         "python stages/release.py"
+
+
+rule bench:
+    input:
+        "stages/bench.py",
+        "src/hope",
+        PRESET,
+    output:
+        "reports/bench.json",
+    shell:
+        "python stages/bench.py"

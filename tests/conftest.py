@@ -66,7 +66,8 @@ def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.Completed
     )
     if proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            f"{' '.join(cmd)} failed ({proc.returncode})\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
 

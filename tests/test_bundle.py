@@ -105,7 +105,7 @@ def test_round_trip_gives_identical_logits(sources: tuple[Config, nn.Module]) ->
 
     card = (out / "README.md").read_text()
     n_params = sum(p.numel() for p in model.parameters())
-    assert "# hope-test" in card and f"{n_params:,}" in card and "`transformer`" in card
+    assert "# hope-test" in card and f"{n_params:,}" in card and f"`{model.cfg.variant}`" in card
     assert "acc 0.5 (chance 0.25)" in card
     env = json.loads((out / "environment.json").read_text())
     assert env["torch"] == torch.__version__ and env["device"] == "cpu"

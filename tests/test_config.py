@@ -118,3 +118,25 @@ def test_stage_cli_reports_bad_key_without_traceback() -> None:
     assert proc.returncode == 2
     assert "model.dimm" in proc.stderr and "model.dim'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("preset", "nominal"), [("pilot", 160e6), ("mid", 760e6), ("target", 1.3e9)]
+)
+@pytest.mark.parametrize("variant", ["hope", "transformer"])
+def test_paper_presets_match_the_papers_model_sizes(
+    preset: str, nominal: float, variant: str
+) -> None:
+    import torch
+
+    import hope
+
+    cfg = load_config(PARAMS, [f"preset={preset}", f"model.variant={variant}"])
+    with torch.device("meta"):  # sizes only: no memory is allocated
+        params = hope.build_model(cfg.model).num_parameters()
+    assert 0.75 * nominal < params < 1.3 * nominal, params
+
+
+def test_hope_cms_grid_must_align_with_smt_chunks() -> None:
+    with pytest.raises(ConfigError, match=r"cms_periods\[0\].*smt_mem_chunk"):
+        load_config(PARAMS, ["model.smt_mem_chunk=32", "model.smt_chunk=16"])

@@ -32,7 +32,14 @@ def char_encode(text: str) -> list[int]:
     return [ord(c) for c in " " + text]
 
 
-class BigramModel(nn.Module):
+class StandIn(nn.Module):
+    """The LanguageModel calling convention without memories that learn."""
+
+    def forward_teach(self, tokens: torch.Tensor, targets: torch.Tensor, state: object = None):
+        return self(tokens, state)
+
+
+class BigramModel(StandIn):
     """logits[t] = table[tokens[t]]: follows the LanguageModel forward contract."""
 
     def __init__(self, vocab: int = VOCAB, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -44,12 +51,12 @@ class BigramModel(nn.Module):
         return self.table[tokens], None  # [B, T, V]
 
 
-class UniformModel(nn.Module):
+class UniformModel(StandIn):
     def forward(self, tokens: torch.Tensor, state: object = None) -> tuple[torch.Tensor, None]:
         return torch.zeros(*tokens.shape, VOCAB), None
 
 
-class CopyModel(nn.Module):
+class CopyModel(StandIn):
     """An induction "oracle": predicts the token that followed the latest earlier
     occurrence of the last ``k`` tokens (uniform when there is none)."""
 
@@ -225,7 +232,10 @@ def naive_passkey_scores(model: nn.Module, task: passkey.PasskeyTask) -> torch.T
             key = task.candidates[i, c][task.candidate_mask[i, c]].tolist()
             context = task.prompts[i].tolist()
             for token in key:
-                logits, _ = model(torch.tensor([context]))
+                # The oracle does not know the token it is about to score: its own
+                # target is -100; earlier targets are the tokens that followed.
+                targets = torch.tensor([context[1:] + [-100]])
+                logits, _ = model.forward_teach(torch.tensor([context]), targets)
                 scores[i, c] += F.log_softmax(logits[0, -1].double(), -1)[token]
                 context.append(token)
     return scores
@@ -306,7 +316,7 @@ def test_eval_plot_release_stages_on_real_artifacts(
 
     assert load_stage("eval").main_with(params + sets) == 0
     report = json.loads(Path("reports/eval.json").read_text())
-    assert report["step"] == 3 and report["variant"] == "transformer"
+    assert report["step"] == 3 and report["variant"] == cfg.model.variant
     val = report["val"]
     assert val["tokens"] == 2 * 3 * 32
     assert abs(val["loss"] - math.log(512)) < 0.1  # an untrained model is near uniform

@@ -18,6 +18,7 @@ def tiny_model(qk_norm: bool = False, seed: int = 0) -> LanguageModel:
     cfg = hope.load_config(
         None,
         [
+            "model.variant=transformer",
             "model.dim=32",
             "model.n_layers=2",
             "model.n_heads=4",
@@ -132,7 +133,9 @@ def test_initial_loss_is_near_uniform_and_overfitting_lowers_it() -> None:
 
 
 def test_residual_projections_use_scaled_init() -> None:
-    cfg = hope.load_config(None, ["model.n_layers=8", "model.init_std=0.05"])
+    cfg = hope.load_config(
+        None, ["model.variant=transformer", "model.n_layers=8", "model.init_std=0.05"]
+    )
     torch.manual_seed(0)
     model = hope.build_model(cfg.model)
     block: Any = model.blocks[0]
@@ -168,7 +171,7 @@ def test_weight_decay_only_on_non_embedding_matrices() -> None:
 @pytest.mark.parametrize("name", ["adamw", "muon", "m3"])
 def test_every_outer_optimizer_builds_and_steps(name: str) -> None:
     model = tiny_model()
-    cfg = hope.load_config(None, [f"optim.name={name}"])
+    cfg = hope.load_config(None, [f"optim.name={name}", "model.variant=transformer"])
     optimizer = build_optimizer(model, cfg.optim)
     before = [p.detach().clone() for p in model.parameters()]
     tokens = torch.randint(0, model.cfg.vocab_size or 1, (2, 9))

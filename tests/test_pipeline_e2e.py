@@ -28,9 +28,12 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
     assert losses[-1] < losses[0] - 1.0, "training loss must go down"
     assert math.isfinite(evaluation["val"]["loss"])
     assert evaluation["val"]["loss"] < evaluation["val"]["unigram_entropy"] - 0.5
-    assert train["steps"] == yaml.safe_load((dvc_repo / "models/checkpoints/config.yaml").read_text())[
-        "train"
-    ]["steps"]
+    assert (
+        train["steps"]
+        == yaml.safe_load((dvc_repo / "models/checkpoints/config.yaml").read_text())["train"][
+            "steps"
+        ]
+    )
     for name in ("loss.png", "passkey.png", "lr.png"):
         assert (dvc_repo / "reports/plots" / name).stat().st_size > 1000
     for stage_config in ("data/raw", "data/tokenizer", "data/shards"):

@@ -9,17 +9,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # README command (regex) -> where it is exercised. A new README command fails this
 # test until a test (or CI) runs it and is named here.
+E2E = "tests/test_pipeline_e2e.py"
 COVERED = {
-    r"make repro": "tests/test_pipeline_e2e.py (dvc_repo fixture runs `make repro`)",
+    r"make repro": f"{E2E} (dvc_repo fixture runs `make repro`)",
     r"make test": ".ci/run (CI)",
-    r"dvc repro train": "tests/test_pipeline_e2e.py::test_second_repro_does_nothing",
-    r"dvc exp run -S \S+=\S+": "tests/test_pipeline_e2e.py::test_experiment_changes_metric_and_diff_shows_it",
-    r"dvc exp show --md": "tests/test_pipeline_e2e.py::test_experiment_changes_metric_and_diff_shows_it",
-    r"dvc metrics diff --md": "tests/test_pipeline_e2e.py::test_experiment_changes_metric_and_diff_shows_it",
-    r"dvc plots show --json": "tests/test_pipeline_e2e.py::test_plots_render_as_json",
-    r"snakemake --cores 2": "tests/test_pipeline_e2e.py::test_snakemake_mirror_produces_same_artifacts",
+    r"dvc repro train": f"{E2E}::test_second_repro_does_nothing",
+    r"dvc exp run -S \S+=\S+": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
+    r"dvc exp show --md": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
+    r"dvc metrics diff --md": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
+    r"dvc plots show --json": f"{E2E}::test_plots_render_as_json",
+    r"snakemake --cores 2": f"{E2E}::test_snakemake_mirror_produces_same_artifacts",
     r"snakemake --profile configs/slurm": "tests/test_slurm_profile.py",
-    r"python stages/release.py --verify release": "tests/test_pipeline_e2e.py",
+    r"python stages/release.py --verify release": E2E,
 }
 
 
@@ -38,7 +39,9 @@ def test_every_readme_command_is_exercised() -> None:
     commands = readme_commands()
     assert "make repro" in commands and "make test" in commands
     for command in commands:
-        assert any(re.fullmatch(p, command) for p in COVERED), f"README command not covered: {command}"
+        assert any(re.fullmatch(p, command) for p in COVERED), (
+            f"README command not covered: {command}"
+        )
 
 
 def test_ci_runs_the_readme_test_command() -> None:

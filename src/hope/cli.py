@@ -21,7 +21,9 @@ class StageError(RuntimeError):
 
 def stage_parser(description: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=(description or "").strip().splitlines()[0])
-    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    parser.add_argument(
+        "--params", default="params.yaml", help="params file (default: params.yaml)"
+    )
     parser.add_argument(
         "--set",
         dest="overrides",

@@ -64,7 +64,7 @@ class OptimConfig:
     name: Literal["adamw", "muon", "m3"] = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 25
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -88,7 +88,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 250
     batch_size: int = 16
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -118,6 +118,25 @@ class ReleaseConfig:
 
 
 @dataclass
+class BenchConfig:
+    """The ``bench`` stage: one training step (forward, backward, AdamW) per variant
+    at two fixed shapes (``tiny``: the preset's model; ``smoke``: the predecessor's
+    smoke shape, docs/ANCHORS.md "Speed"). See :mod:`hope.bench.run`."""
+
+    variants: list[str] = field(
+        default_factory=lambda: ["transformer", "hope_attention", "hope", "titans_mac"]
+    )
+    shapes: list[Literal["tiny", "smoke"]] = field(default_factory=lambda: ["tiny", "smoke"])
+    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4
+    warmup: int = 2
+    steps: int = 5
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    num_threads: int = 0  # 0: leave torch's default
+
+
+@dataclass
 class Config:
     preset: str = "tiny"
     data: DataConfig = field(default_factory=DataConfig)
@@ -127,6 +146,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -282,6 +302,14 @@ def _validate(cfg: Config) -> None:
             "model.cms_periods: every period must be a multiple of the first",
         ),
         (m.smt_mem_chunk % m.smt_chunk == 0, "model.smt_mem_chunk must be a multiple of smt_chunk"),
+        (
+            m.variant != "hope"
+            or m.cms_mode == "static"
+            or (bool(m.cms_periods) and m.cms_periods[0] % m.smt_mem_chunk == 0),
+            f"model.cms_periods[0]={m.cms_periods[:1]} must be a multiple of "
+            f"model.smt_mem_chunk={m.smt_mem_chunk} for variant hope (teach pass A "
+            "streams the self-modifying Titans on the CMS grid)",
+        ),
         (0.0 <= d.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
         (d.seq_len > 0, "data.seq_len must be positive"),
         (cfg.train.batch_size > 0, "train.batch_size must be positive"),

@@ -20,7 +20,7 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp)`` on a temp file beside ``path``, fsync it, then rename over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

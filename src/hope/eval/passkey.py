@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from hope.config import ConfigError
+from hope.model.lm import LanguageModel
 
 Encode = Callable[[str], list[int]]
 
@@ -116,7 +116,7 @@ def build_task(
 
 
 def _continuation_logprob(
-    model: nn.Module,
+    model: LanguageModel,
     prompts: torch.Tensor,  # [R, L]
     cont: torch.Tensor,  # [R, K]
     mask: torch.Tensor,  # [R, K]
@@ -132,7 +132,10 @@ def _continuation_logprob(
         dtype=autocast_dtype or torch.float32,
         enabled=autocast_dtype is not None,
     ):
-        logits, _ = model(inputs)  # [R, L + K - 1, V]
+        # Memories that learn from in-context targets see the same causal
+        # targets they would at training time; padding carries no target.
+        targets = torch.cat([prompts[:, 1:], cont.masked_fill(~mask, -100)], dim=1)
+        logits, _ = model.forward_teach(inputs, targets)  # [R, L + K - 1, V]
     logp = torch.log_softmax(logits[:, length - 1 :].float(), dim=-1)  # [R, K, V]
     token_logp = logp.gather(-1, cont.unsqueeze(-1)).squeeze(-1)  # [R, K]
     return (token_logp * mask).sum(dim=-1)
@@ -140,7 +143,7 @@ def _continuation_logprob(
 
 @torch.no_grad()  # not inference_mode: see hope.eval.perplexity
 def score_task(
-    model: nn.Module,
+    model: LanguageModel,
     task: PasskeyTask,
     batch_size: int,
     device: torch.device,
@@ -174,7 +177,7 @@ def score_task(
 
 
 def evaluate_passkey(
-    model: nn.Module,
+    model: LanguageModel,
     encode: Encode,
     lengths: Sequence[int],
     trials: int,

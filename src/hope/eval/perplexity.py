@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from hope.cli import StageError
+from hope.model.lm import LanguageModel
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def bits_per_byte(loss_nats: float, bytes_per_token: float) -> float:
 # under torch.enable_grad() inside its forward, which inference mode would forbid.
 @torch.no_grad()
 def evaluate_perplexity(
-    model: nn.Module,
+    model: LanguageModel,
     batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
@@ -66,7 +66,7 @@ def evaluate_perplexity(
                 dtype=autocast_dtype or torch.float32,
                 enabled=autocast_dtype is not None,
             ):
-                logits, _ = model(x)  # [B, T, V]
+                logits, _ = model.forward_teach(x, y)  # [B, T, V]
             ce = F.cross_entropy(
                 logits.float().flatten(0, 1), y.flatten(), reduction="sum"
             )  # summed in fp32 per batch, accumulated across batches in fp64

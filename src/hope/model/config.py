@@ -22,7 +22,7 @@ Variant = Literal[
 
 @dataclass
 class ModelConfig:
-    variant: Variant = "transformer"
+    variant: Variant = "hope"
     dim: int = 128
     n_layers: int = 2
     n_heads: int = 4
@@ -44,7 +44,10 @@ class ModelConfig:
     cms_erase: float = 0.0
 
     # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
-    smt_chunk: int = 8
+    # Tiny uses C_o = C_m = 16 (Python-level chunk loop cost on CPU); the paper-scale
+    # presets use 8/16. With cms_mode != static, cms_periods[0] must be a multiple
+    # of smt_mem_chunk (teach pass A streams the SMT on the CMS grid).
+    smt_chunk: int = 16
     smt_mem_chunk: int = 16
     smt_expansion: int = 2
     smt_objective: Literal["l2", "dot"] = "l2"

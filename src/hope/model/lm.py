@@ -89,6 +89,17 @@ class LanguageModel(nn.Module):
         logits = F.linear(self.norm(x), self.embed.weight)  # tied head
         return logits, LMState(new_states, state.pos + tokens.shape[1])
 
+    def forward_teach(
+        self, tokens: torch.Tensor, targets: torch.Tensor, state: LMState | None = None
+    ) -> tuple[torch.Tensor, LMState]:
+        """Forward that may learn from the call's own targets (the CMS teach signal).
+
+        Used for training, validation and evaluation alike, so all three score the
+        same computation. Variants without teach-driven memories ignore ``targets``.
+        """
+        del targets
+        return self(tokens, state)
+
     def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over a fresh context (fp32 logits)."""
         logits, _ = self(tokens)

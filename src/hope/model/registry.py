@@ -34,7 +34,7 @@ def build_model(model_cfg: ModelConfig) -> LanguageModel:
 
 
 # Variant modules register themselves on import; add new variants here.
-from hope.model import transformer  # noqa: E402, F401
+from hope.model import hope, titans, transformer  # noqa: E402, F401
 
 
 def __getattr__(name: str) -> Any:

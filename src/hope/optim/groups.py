@@ -74,18 +74,26 @@ def require_knobs(optim_cfg: object, rules: Mapping[str, bool]) -> None:
             raise ConfigError(f"optim.{key}: invalid value {getattr(optim_cfg, key)!r}")
 
 
+def embedding_ids(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
+
+
+def trainable_named(model: nn.Module) -> NamedParams:
+    # named_parameters() lists a shared (tied) tensor once.
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def adamw_groups(
     named: NamedParams, weight_decay: float, embedding_ids: set[int]
 ) -> list[dict[str, Any]]:
-    """AdamW groups with the decay rule of ``hope.optim.outer``: decay >=2-D
-    non-embedding weights only (never norms, biases or the tied embedding/head)."""
-    decay = [p for _, p in named if p.ndim >= 2 and id(p) not in embedding_ids]
-    no_decay = [p for _, p in named if not (p.ndim >= 2 and id(p) not in embedding_ids)]
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    """[decayed, undecayed] AdamW groups: decay >=2-D non-embedding weights only (never
+    norms, biases or the tied embedding/head: decaying it shrinks the logits)."""
+    decayed = [p for _, p in named if p.ndim >= 2 and id(p) not in embedding_ids]
+    kept = [p for _, p in named if not (p.ndim >= 2 and id(p) not in embedding_ids)]
+    return [
+        {"params": decayed, "weight_decay": weight_decay},
+        {"params": kept, "weight_decay": 0.0},
     ]
-    return [g for g in groups if g["params"]]
 
 
 class HybridOptimizer(torch.optim.Optimizer):

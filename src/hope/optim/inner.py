@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
+from hope.optim.newton_schulz import cubic_iteration
+
 
 def _keep_where(gate: Tensor | None, new: Tensor, old: Tensor) -> Tensor:
     """new where the gate is open, old where it is closed (per sample, no host sync)."""
@@ -41,17 +43,8 @@ def erase_term(weight: Tensor, inputs: Tensor) -> Tensor:
 
 
 def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Batched cubic Newton–Schulz orthogonalisation of x [B, O, I] (NL "None Linear Outputs").
-
-    X ← X/||X||_F, then X ← ½X(3I − XᵀX) ``steps`` times, iterating on the short side.
-    A zero matrix stays zero (the norm is clamped, not branched on).
-    """
-    wide = x.shape[-2] > x.shape[-1]
-    y = x.transpose(-1, -2) if wide else x  # [B, m, n] with m <= n
-    y = y / y.flatten(-2).norm(dim=-1).clamp_min(eps)[:, None, None]
-    for _ in range(steps):
-        y = 1.5 * y - 0.5 * (y @ y.transpose(-1, -2)) @ y
-    return y.transpose(-1, -2) if wide else y
+    """Batched cubic Newton–Schulz orthogonalisation of x [B, O, I] (NL "None Linear Outputs")."""
+    return cubic_iteration(x, steps, eps)
 
 
 class InnerRule(ABC):

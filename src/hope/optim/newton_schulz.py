@@ -25,21 +25,28 @@ def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(tensor.shape[0], -1)
 
 
+def cubic_iteration(x: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """X/||X||_F, then X <- ½X(3I − XᵀX) ``steps`` times, batched over leading dims.
+
+    x [..., m, n]; a zero matrix stays zero (the norm is clamped, not branched on).
+    """
+    if steps < 0:
+        raise ValueError(f"Newton–Schulz steps must be >= 0, got {steps}")
+    x = x / torch.linalg.matrix_norm(x).clamp_min(eps)[..., None, None]
+    wide = x.shape[-2] <= x.shape[-1]
+    for _ in range(steps):
+        # ½ X (3I − XᵀX) = 1.5 X − ½ X XᵀX; form the Gram on the short side (cheaper).
+        cubic = (x @ x.mT) @ x if wide else x @ (x.mT @ x)
+        x = 1.5 * x - 0.5 * cubic
+    return x
+
+
 def newton_schulz_cubic(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
     """NS_T(G): T cubic Newton–Schulz steps on G reshaped to (shape[0], -1).
 
     Returns a tensor of G's shape and dtype. Works in fp32 (fp64 for fp64 input);
     a zero G gives zero (the norm is clamped by ``eps``). Sync-free.
     """
-    if steps < 0:
-        raise ValueError(f"Newton–Schulz steps must be >= 0, got {steps}")
     matrix = as_matrix(update)  # [m, n]
     work = torch.float64 if matrix.dtype == torch.float64 else torch.float32
-    x = matrix.to(work)
-    x = x / torch.linalg.matrix_norm(x).clamp_min(eps)
-    wide = x.shape[0] <= x.shape[1]
-    for _ in range(steps):
-        # ½ X (3I − XᵀX) = 1.5 X − ½ X XᵀX; form the Gram on the short side (cheaper).
-        cubic = (x @ x.mT) @ x if wide else x @ (x.mT @ x)
-        x = 1.5 * x - 0.5 * cubic
-    return x.reshape(update.shape).to(update.dtype)
+    return cubic_iteration(matrix.to(work), steps, eps).reshape(update.shape).to(update.dtype)

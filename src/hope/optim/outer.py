@@ -11,33 +11,19 @@ import torch
 from torch import nn
 
 from hope.config import ConfigError, OptimConfig
+from hope.optim.groups import adamw_groups, embedding_ids, trainable_named
 from hope.optim.m3 import build_m3_hybrid
 from hope.optim.muon import build_muon_hybrid
 
 
 def split_decay_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(decayed, undecayed) trainable parameters, each listed once (tied weights too)."""
-    embedding_ids = {
-        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
-    }
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for param in model.parameters():  # parameters() already de-duplicates shared tensors
-        if not param.requires_grad:
-            continue
-        if param.dim() >= 2 and id(param) not in embedding_ids:
-            decay.append(param)
-        else:
-            no_decay.append(param)
-    return decay, no_decay
+    decay, no_decay = adamw_groups(trainable_named(model), 1.0, embedding_ids(model))
+    return list(decay["params"]), list(no_decay["params"])
 
 
 def build_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    decay, no_decay = split_decay_params(model)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = adamw_groups(trainable_named(model), cfg.weight_decay, embedding_ids(model))
     # fused: one kernel per step and, unlike the for-each path, no per-step `.item()`
     # on the step counters (keeps the training step free of host syncs).
     return torch.optim.AdamW(
@@ -52,6 +38,4 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.Opt
         return build_muon_hybrid(model, optim_cfg)
     if optim_cfg.name == "m3":
         return build_m3_hybrid(model, optim_cfg)
-    raise ConfigError(
-        f"optim.name {optim_cfg.name!r} is not available; available: adamw, muon, m3"
-    )
+    raise ConfigError(f"optim.name {optim_cfg.name!r} is not available; available: adamw, muon, m3")

@@ -6,10 +6,10 @@ Everything stored is a tensor, dict, list, int, float, str, bool or None, so
 
 from __future__ import annotations
 
-import pickle
-import random
 import hashlib
 import json
+import pickle
+import random
 import re
 from pathlib import Path
 from typing import Any

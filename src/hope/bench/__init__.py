@@ -1,0 +1,1 @@
+"""Speed benchmark of one training step per variant (the ``bench`` stage)."""

@@ -1,0 +1,138 @@
+"""Estimated training FLOPs per token, per variant, and peak device FLOPs for MFU.
+
+Counting convention (MECHANISMS §8.4): matmul work only, 2 FLOPs per
+multiply-accumulate, per token, summed over layers, plus the tied LM head.
+Norms, activations, gates and the O(C·d) terms of the chunked memory updates are
+left out. These are estimates of the *useful* work of a step, computed from the
+config, not counts of the kernels that actually ran; MFU divides by them.
+
+Per-layer forward terms (d = dim, H = heads, T = seq_len, h = SwiGLU hidden,
+Σh_ℓ = CMS hidden sizes, e = smt_expansion, unit u = e·d²/H = the cost of one
+d_h→e·d_h matmul for every head):
+
+- causal attention: 8d² (W_qkv, W_o) + 2·T·d (q·k and p·v over T/2 keys on average)
+- SwiGLU MLP: 6·d·h
+- CMS chain (NL eqs. 30-31): 4·d·Σh_ℓ
+- SMT (MECHANISMS §8.4): 2d² (W_o) + 2d²/H (per-head W_q) + 80u
+  (generation 12, read 4, v̂ 16, M(k) 16, gradient factors 6, update 26)
+- Titans memory (Ti eqs. 12-18): 6d² (W_qkv) + 2d² (W_o) + 14u
+  (read M(q) 4, M(k) 4, D = W1ᵀE 2, G1 = EAᵀ 2, G2 = Dkᵀ 2)
+
+Variants:
+
+- transformer:    attention + MLP
+- hope_attention: attention + CMS
+- hope:           SMT + CMS
+- titans_lmm:     memory + MLP
+- titans_mal / titans_mag: memory + sliding-window attention (window W, N_p
+  persistent tokens: 8d² + 4·d·(N_p + min(W, T/2))) + MLP (+ 2d² gate for MAG)
+- titans_mac:     memory + retrieval (W_q 2d², M(q) 4u) + segment attention over
+  [P ‖ h ‖ seg] (W_qkv on h and seg 12d², W_o 2d², 4·d·(N_p + S)) + gate 2d² + MLP
+
+Training = 3× forward (forward + backward for activations and weights), plus:
+backprop through in-graph memory writes ≈ +30% of the memory's training cost
+(MECHANISMS §8.4; SMT and Titans memories unless ``write_grad=stopgrad``), and for
+the HOPE variants with ``cms_mode`` teach_pass or exact_online, pass A (forward +
+backward to the level outputs only) ≈ 2× forward.
+"""
+
+from __future__ import annotations
+
+from hope.model.config import ModelConfig
+from hope.model.layers import swiglu_hidden
+
+# Dense (non-sparse) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
+# Matched by substring of the CUDA device name, first match wins (so "H100 PCIe"
+# comes before "H100").
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+TRAIN_MULTIPLIER = 3.0  # forward + backward (activations and weights)
+WRITE_BACKPROP = 0.3  # extra fraction of a memory's cost for gradients through its writes
+PASS_A_MULTIPLIER = 2.0  # teach pass A: forward + activation-only backward
+
+
+def attention_flops(d: int, keys_per_query: float) -> float:
+    """W_qkv + W_o (8d²) plus scores and values over ``keys_per_query`` keys (4·d each)."""
+    return 8 * d * d + 4 * d * keys_per_query
+
+
+def mlp_flops(cfg: ModelConfig) -> float:
+    return 6 * cfg.dim * swiglu_hidden(cfg.dim, cfg.mlp_ratio)
+
+
+def cms_flops(cfg: ModelConfig) -> float:
+    # Σh_ℓ = round(mlp_ratio·d) however it is split over levels (hope.memory.cms.split_hidden).
+    return 4 * cfg.dim * int(round(cfg.mlp_ratio * cfg.dim))
+
+
+def _unit(cfg: ModelConfig) -> float:
+    return cfg.smt_expansion * cfg.dim * cfg.dim / cfg.n_heads
+
+
+def smt_flops(cfg: ModelConfig) -> float:
+    d = cfg.dim
+    return 2 * d * d + 2 * d * d / cfg.n_heads + 80 * _unit(cfg)
+
+
+def titans_memory_flops(cfg: ModelConfig) -> float:
+    return 8 * cfg.dim * cfg.dim + 14 * _unit(cfg)
+
+
+def layer_forward_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(total, memory part) forward FLOPs per token of one layer of ``cfg.variant``."""
+    d, variant = cfg.dim, cfg.variant
+    causal_keys = seq_len / 2
+    swa_keys = cfg.titans_persistent + min(cfg.titans_window, causal_keys)
+    if variant == "transformer":
+        return attention_flops(d, causal_keys) + mlp_flops(cfg), 0.0
+    if variant == "hope_attention":
+        return attention_flops(d, causal_keys) + cms_flops(cfg), 0.0
+    if variant == "hope":
+        return smt_flops(cfg) + cms_flops(cfg), smt_flops(cfg)
+    memory = titans_memory_flops(cfg)
+    if variant == "titans_lmm":
+        return memory + mlp_flops(cfg), memory
+    if variant == "titans_mal":
+        return memory + attention_flops(d, swa_keys) + mlp_flops(cfg), memory
+    if variant == "titans_mag":
+        return memory + attention_flops(d, swa_keys) + 2 * d * d + mlp_flops(cfg), memory
+    if variant == "titans_mac":
+        segment = min(cfg.titans_chunk, seq_len)
+        retrieval = 2 * d * d + 4 * _unit(cfg)
+        attention = 14 * d * d + 4 * d * (cfg.titans_persistent + segment)
+        return memory + retrieval + attention + 2 * d * d + mlp_flops(cfg), memory + retrieval
+    raise ValueError(f"no FLOPs formula for model.variant={variant!r}")
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    if cfg.vocab_size is None:
+        raise ValueError("model.vocab_size is unresolved; use a loaded Config")
+    layer, _ = layer_forward_flops(cfg, seq_len)
+    return cfg.n_layers * layer + 2 * cfg.dim * cfg.vocab_size
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Estimated FLOPs of one training step divided by its tokens (see the module doc)."""
+    forward = forward_flops_per_token(cfg, seq_len)
+    _, memory = layer_forward_flops(cfg, seq_len)
+    total = TRAIN_MULTIPLIER * forward
+    if memory and cfg.write_grad != "stopgrad":
+        total += WRITE_BACKPROP * TRAIN_MULTIPLIER * cfg.n_layers * memory
+    if cfg.variant in ("hope", "hope_attention") and cfg.cms_mode != "static":
+        total += PASS_A_MULTIPLIER * forward
+    return total
+
+
+def peak_bf16_flops(device_name: str | None) -> float | None:
+    """Dense bf16 peak FLOP/s of a known CUDA device, else None (CPU, unknown GPU)."""
+    if not device_name:
+        return None
+    for key, peak in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None

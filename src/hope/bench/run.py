@@ -1,0 +1,310 @@
+"""The speed benchmark: one full training step per variant at two fixed shapes.
+
+For every variant in ``bench.variants`` and every shape in ``bench.shapes`` the
+bench builds the model, a real AdamW (``build_optimizer`` with the default
+``OptimConfig``, so optimizer knobs cannot change the benchmark) and the
+warmup/cosine schedule, runs ``bench.warmup`` untimed and ``bench.steps`` timed
+``train_step`` calls on seeded random tokens, then one more step with the host-sync
+counters on. Each (shape, variant) runs in a fresh Python process so its peak
+memory is its own (see :mod:`hope.bench.measure`).
+
+Shapes:
+- ``tiny``: the resolved ``model`` section (the preset's shape) at ``data.seq_len``
+  and ``bench.batch_size``;
+- ``smoke``: the predecessor's smoke shape (docs/ANCHORS.md "Speed"): dim 128,
+  2 layers, 4 heads, vocab 32,000, seq 64, batch 4, CMS periods 1/4/16, Titans
+  segment 8. HOPE needs cms_periods[0] to be a multiple of smt_mem_chunk, so with
+  the predecessor's CMS periods kept exactly, both SMT chunks are 1 (the exact
+  per-token recurrence, MECHANISMS §3).
+
+Variants not registered in ``hope.VARIANTS`` and measurements that fail are
+recorded under ``skipped`` with the reason; the bench itself does not fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hope.bench import flops
+from hope.bench import measure as m
+from hope.config import BenchConfig, Config, ConfigError, OptimConfig, TrainConfig, config_from_dict
+from hope.io import atomic_write_json
+from hope.model.config import ModelConfig
+from hope.model.registry import build_model
+from hope.optim.outer import build_optimizer
+from hope.report.environment import collect_environment
+from hope.train.device import autocast_dtype, resolve_device, setup_runtime
+from hope.train.loop import train_step
+from hope.train.schedule import build_scheduler
+
+log = logging.getLogger("hope.bench")
+
+SMOKE_MODEL: dict[str, Any] = {
+    "dim": 128,
+    "n_layers": 2,
+    "n_heads": 4,
+    "vocab_size": 32_000,
+    "cms_periods": [1, 4, 16],
+    "smt_chunk": 1,
+    "smt_mem_chunk": 1,
+    "titans_chunk": 8,
+}
+SMOKE_SEQ_LEN = 64
+SMOKE_BATCH = 4
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    model: ModelConfig  # its ``variant`` is replaced per measurement
+    seq_len: int
+    batch_size: int
+
+    def record(self) -> dict[str, Any]:
+        """The exact shape, for the report: model knobs that define it plus seq and batch."""
+        keys = SMOKE_MODEL if self.name == "smoke" else SHAPE_KEYS
+        model = {k: getattr(self.model, k) for k in keys}
+        return {**model, "seq_len": self.seq_len, "batch_size": self.batch_size}
+
+
+def bench_shape(cfg: Config, name: str) -> Shape:
+    if name == "tiny":
+        return Shape(name, cfg.model, cfg.data.seq_len, cfg.bench.batch_size)
+    if name == "smoke":
+        model = dataclasses.replace(cfg.model, **SMOKE_MODEL)
+        return Shape(name, model, SMOKE_SEQ_LEN, SMOKE_BATCH)
+    raise ConfigError(f"bench.shapes: unknown shape {name!r} (tiny, smoke)")
+
+
+def check_bench_config(bench: BenchConfig) -> None:
+    checks = [
+        (bench.steps >= 1, f"bench.steps must be >= 1, got {bench.steps}"),
+        (bench.warmup >= 0, f"bench.warmup must be >= 0, got {bench.warmup}"),
+        (bench.batch_size >= 1, f"bench.batch_size must be >= 1, got {bench.batch_size}"),
+        (bench.num_threads >= 0, f"bench.num_threads must be >= 0, got {bench.num_threads}"),
+        (len(set(bench.shapes)) == len(bench.shapes), f"bench.shapes repeats: {bench.shapes}"),
+        (
+            len(set(bench.variants)) == len(bench.variants),
+            f"bench.variants repeats: {bench.variants}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _batches(
+    vocab: int, batch: int, seq_len: int, count: int, seed: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` seeded (x, y) pairs of random tokens [B, T], y shifted by one."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(count):
+        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
+        pairs.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+    return pairs
+
+
+def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any]:
+    """Measure one (shape, variant) in this process; the row of ``reports/bench.json``."""
+    bench = cfg.bench
+    device = resolve_device(bench.device)
+    setup_runtime(TrainConfig(seed=bench.seed, num_threads=bench.num_threads), device)
+    amp_dtype = autocast_dtype(device, bench.precision)
+    shape = bench_shape(cfg, shape_name)
+    model_cfg = dataclasses.replace(shape.model, variant=variant)  # type: ignore[arg-type]
+    assert model_cfg.vocab_size is not None
+    total = bench.warmup + bench.steps + 1  # + the sync-counting step
+    batches = _batches(
+        model_cfg.vocab_size, shape.batch_size, shape.seq_len, total, bench.seed, device
+    )
+
+    baseline_mb = m.baseline_memory_mb(device)
+    m.reset_peak_memory(device)
+    model = build_model(model_cfg).to(device)
+    model.train()
+    optim_cfg = OptimConfig()
+    optimizer = build_optimizer(model, optim_cfg)
+    scheduler = build_scheduler(optimizer, optim_cfg, total)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batches[i]
+        return train_step(model, optimizer, scheduler, x, y, optim_cfg.grad_clip, amp_dtype)
+
+    seconds = m.time_steps(step, bench.warmup, bench.steps, device)
+    with m.count_host_syncs() as calls:
+        loss = step(total - 1)
+    syncs = len(calls)
+    m.synchronize(device)
+    peak_mb = m.peak_memory_mb(device)
+    loss_value = float(loss)
+    if not math.isfinite(loss_value):
+        raise RuntimeError(f"{variant} at shape {shape_name}: non-finite loss {loss_value}")
+
+    step_s = m.median(seconds)
+    tokens_per_s = shape.batch_size * shape.seq_len / step_s
+    flops_per_token = flops.training_flops_per_token(model_cfg, shape.seq_len)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak_flops = flops.peak_bf16_flops(gpu)
+    return {
+        "tokens_per_s": tokens_per_s,
+        "step_ms": step_s * 1e3,
+        "step_ms_min": min(seconds) * 1e3,
+        "peak_mem_mb": peak_mb,
+        "mem_baseline_mb": baseline_mb,
+        "host_syncs_per_step": syncs,
+        "params": model.num_parameters(),
+        "flops_per_token": flops_per_token,
+        "achieved_gflops_per_s": flops_per_token * tokens_per_s / 1e9,
+        "mfu": None if peak_flops is None else flops_per_token * tokens_per_s / peak_flops,
+        "loss": loss_value,
+        "torch_threads": torch.get_num_threads(),
+        "precision": "fp32" if amp_dtype is None else str(amp_dtype).removeprefix("torch."),
+    }
+
+
+class MeasurementFailed(RuntimeError):
+    """A measurement subprocess exited with an error; the message is its last stderr line."""
+
+
+def measure_isolated(cfg: Config, variant: str, shape_name: str) -> dict[str, Any]:
+    """``measure_variant`` in a fresh interpreter (own peak RSS, own allocator state)."""
+    with tempfile.TemporaryDirectory(prefix="hope-bench-") as tmp:
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job.write_text(
+            json.dumps({"config": cfg.to_dict(), "variant": variant, "shape": shape_name})
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "hope.bench.run", "--one", str(job), str(result)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+            raise MeasurementFailed(lines[-1] if lines else f"exit code {proc.returncode}")
+        return dict(json.loads(result.read_text()))
+
+
+def add_relative(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's speed relative to the transformer's in the same run and shape."""
+    base = rows.get("transformer")
+    for row in rows.values():
+        row["relative_to_transformer"] = (
+            row["tokens_per_s"] / base["tokens_per_s"] if base else None
+        )
+        row["step_time_ratio_vs_transformer"] = row["step_ms"] / base["step_ms"] if base else None
+
+
+def machine_info(cfg: Config) -> dict[str, Any]:
+    device = resolve_device(cfg.bench.device)
+    env = collect_environment(str(device))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "cpu": env["cpu"],
+        "logical_cores": os.cpu_count(),
+        "usable_cores": env["cpu_count"],
+        "torch_threads": None,  # filled in from the measuring processes
+        "device": env["device"],
+        "gpu": gpu,
+        "peak_bf16_flops": flops.peak_bf16_flops(gpu),
+        "torch": env["torch"],
+        "cuda": env["cuda"],
+        "python": env["python"],
+        "platform": env["platform"],
+        "hope": env["hope"],
+        "git_commit": env["git_commit"],
+    }
+
+
+def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str, Any]:
+    """Measure every (shape, variant), write ``out_path`` atomically, return the report.
+
+    ``isolate=False`` measures in this process (tests: patched methods and
+    test-registered variants are visible; peak memory is then the process's).
+    """
+    from hope.model.registry import VARIANTS  # computed on access: sees late registrations
+
+    bench = cfg.bench
+    check_bench_config(bench)
+    started = time.perf_counter()
+    report: dict[str, Any] = {"machine": machine_info(cfg)}
+    skipped: dict[str, dict[str, str]] = {}
+    shapes = {name: bench_shape(cfg, name) for name in bench.shapes}
+    for name in shapes:
+        rows: dict[str, dict[str, Any]] = {}
+        for variant in bench.variants:
+            reason = _measure_into(rows, cfg, variant, name, VARIANTS, isolate)
+            if reason is not None:
+                skipped.setdefault(name, {})[variant] = reason
+                log.warning("bench %s/%s skipped: %s", name, variant, reason)
+        add_relative(rows)
+        threads = [row.pop("torch_threads") for row in rows.values()]
+        if threads and report["machine"]["torch_threads"] is None:
+            report["machine"]["torch_threads"] = threads[0]
+        report[name] = rows
+    report["skipped"] = skipped
+    report["config"] = {
+        **dataclasses.asdict(bench),
+        "optimizer": "adamw (default OptimConfig)",
+        "shapes_used": {name: shape.record() for name, shape in shapes.items()},
+    }
+    report["wall_s"] = time.perf_counter() - started
+    atomic_write_json(Path(out_path), report)
+    return report
+
+
+def _measure_into(
+    rows: dict[str, dict[str, Any]],
+    cfg: Config,
+    variant: str,
+    shape: str,
+    registered: Sequence[str],
+    isolate: bool,
+) -> str | None:
+    """Measure into ``rows[variant]``; the reason when it is skipped, else None."""
+    if variant not in registered:
+        return f"variant {variant!r} is not registered (available: {', '.join(registered)})"
+    try:
+        measure = measure_isolated if isolate else measure_variant
+        rows[variant] = measure(cfg, variant, shape)
+    except Exception as err:  # noqa: BLE001 - one bad variant must not lose the others' numbers
+        return f"{type(err).__name__}: {err}"
+    log.info(
+        "bench %s/%s: %.0f tokens/s, %.1f ms/step, %d host syncs/step",
+        shape, variant, rows[variant]["tokens_per_s"], rows[variant]["step_ms"],
+        rows[variant]["host_syncs_per_step"],
+    )  # fmt: skip
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hope.bench.run --one JOB.json RESULT.json``: one isolated measurement."""
+    parser = argparse.ArgumentParser(description="one isolated bench measurement")
+    parser.add_argument("--one", nargs=2, metavar=("JOB", "RESULT"), required=True, type=Path)
+    args = parser.parse_args(argv)
+    job_path, result_path = args.one
+    job = json.loads(job_path.read_text())
+    row = measure_variant(config_from_dict(job["config"]), job["variant"], job["shape"])
+    result_path.write_text(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

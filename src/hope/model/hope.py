@@ -1,0 +1,214 @@
+"""HOPE variants by composition (MECHANISMS §1): ``hope_attention`` and ``hope``.
+
+One block class, parameterised by its sequence mixer (pre-norm residual, Ti §4.4):
+
+    hope_attention:  x += Attn(N(x));  x = CMS(x)
+    hope:            x += SMT(N(x));   x = CMS(x)     (SMT output already has W_o)
+
+where CMS(x) is the chain x ← x + MLP_ℓ(N_ℓ(x)) of NL eqs. 30–31 with fast deltas.
+Block state = (mixer state: KV cache or SMT memories + conv tail, CMS level states).
+
+The model has two forwards:
+- ``forward(tokens, state)``: the read path. Mixers stream (SMT writes its own
+  memories from self-generated targets, NL-arXiv eq. 84); CMS levels read θ0 + Δ
+  with the state's current Δ and never write (no targets are known).
+- ``forward_teach(tokens, targets, state)``: CMS levels learn from the LM teach
+  signal per ``cms_mode`` (MECHANISMS §8.3; orchestration in :mod:`hope.model.teach`).
+``training_loss`` is the mean CE of ``forward_teach`` on a fresh context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hope.config import ConfigError
+from hope.memory.cms import CMS, LevelState
+from hope.memory.fast_state import detach_state
+from hope.memory.smt import SelfModifyingTitans
+from hope.model.attention import CausalSelfAttention
+from hope.model.config import ModelConfig
+from hope.model.layers import RMSNorm
+from hope.model.lm import LanguageModel, LMState
+from hope.model.registry import register_variant
+from hope.model.teach import exact_online_forward, teach_pass_forward
+
+
+class Mixer(Protocol):
+    """Sequence-mixer contract: streaming state in, streaming state out."""
+
+    def init_state(self, batch_size: int, device: torch.device) -> Any: ...
+
+    def __call__(self, x: torch.Tensor, state: Any, pos: int) -> tuple[torch.Tensor, Any]: ...
+
+
+class AttentionMixer(nn.Module):
+    """Causal self-attention; state = KV cache (keys/values of every past token)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn = CausalSelfAttention(
+            cfg.dim, cfg.n_heads, cfg.rope_base, cfg.qk_norm, cfg.norm_eps
+        )
+
+    def init_state(self, batch_size: int, device: torch.device) -> Any:
+        return self.attn.init_state(batch_size, device, self.attn.qkv.weight.dtype)
+
+    def forward(self, x: torch.Tensor, state: Any, pos: int) -> tuple[torch.Tensor, Any]:
+        return cast(tuple[torch.Tensor, Any], self.attn(x, state, pos))
+
+
+class SMTMixer(nn.Module):
+    """Self-modifying Titans (MECHANISMS §3); state = six memories + conv tail.
+
+    SMT positions are implicit (recurrent), so ``pos`` is unused.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.smt = SelfModifyingTitans(cfg)
+        # W_o feeds the residual stream like attention's output projection: GPT-2 scaled init.
+        self.smt.w_o.residual_projection = True  # type: ignore[assignment]
+
+    def init_state(self, batch_size: int, device: torch.device) -> Any:
+        return self.smt.init_state(batch_size, device)
+
+    def forward(self, x: torch.Tensor, state: Any, pos: int) -> tuple[torch.Tensor, Any]:
+        return cast(tuple[torch.Tensor, Any], self.smt(x, state))
+
+
+@dataclass
+class HopeBlockState:
+    """Per-sample fast state of one HOPE block (MECHANISMS §5)."""
+
+    mixer: Any  # KVCache (hope_attention) | SMTState (hope)
+    cms: list[LevelState]  # one per CMS level
+    # Mixer state of teach_pass's pass A (the θ0-CMS model, detached per piece), carried
+    # so that chained forward_teach calls equal one call; None: start from ``mixer``
+    # (fresh context, or after a read-path / exact_online call).
+    teach_mixer: Any = None
+
+
+class HopeBlock(nn.Module):
+    """x += Mixer(N(x)); x = CMS(x). The mixer is the only difference between variants."""
+
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module) -> None:
+        super().__init__()
+        self.mixer_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mixer = mixer
+        self.cms = CMS.from_config(cfg)
+
+    def init_state(self, batch_size: int, device: torch.device) -> HopeBlockState:
+        # CMS deltas are fp32 (fp64 for an fp64 model), whatever autocast does to activations.
+        dtype = torch.promote_types(self.mixer_norm.weight.dtype, torch.float32)
+        mixer = cast(Mixer, self.mixer)
+        return HopeBlockState(
+            mixer.init_state(batch_size, device), self.cms.init_state(batch_size, device, dtype)
+        )
+
+    def mix(self, x: torch.Tensor, mixer_state: Any, pos: int) -> tuple[torch.Tensor, Any]:
+        """x [B, T, d] at absolute positions pos.. -> (x + Mixer(N(x)), new mixer state)."""
+        out, mixer_state = self.mixer(self.mixer_norm(x), mixer_state, pos)
+        return x + out, mixer_state
+
+    def mix_pieces(
+        self, x: torch.Tensor, mixer_state: Any, pos: int, bounds: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, Any]:
+        """Pass A mixing (MECHANISMS §8.3b): the call in pieces, the mixer state carried
+        *detached* between pieces (KV cache → sg(K, V), SMT memories and conv tail cut),
+        so no gradient path crosses a piece boundary. Values equal ``mix`` when the
+        mixer's own streaming is split-invariant at these bounds. Returns the detached
+        final state too."""
+        outs = []
+        for start, stop in bounds:
+            y, mixer_state = self.mix(x[:, start:stop], detach_state(mixer_state), pos + start)
+            outs.append(y)
+        return torch.cat(outs, dim=1), detach_state(mixer_state)
+
+    def forward(
+        self, x: torch.Tensor, state: HopeBlockState, pos: int
+    ) -> tuple[torch.Tensor, HopeBlockState]:
+        """Read path: CMS levels read θ0 + sg(Δ) with the current Δ and do not write."""
+        x, mixer_state = self.mix(x, state.mixer, pos)
+        x, _ = self.cms.read(x, state.cms)
+        return x, HopeBlockState(mixer_state, state.cms)
+
+
+class HopeLM(LanguageModel):
+    """The LM shell with HOPE blocks and the teach-driven CMS forward (MECHANISMS §8.3)."""
+
+    blocks: nn.ModuleList
+
+    def __init__(self, cfg: ModelConfig, blocks: nn.ModuleList) -> None:
+        super().__init__(cfg, blocks)
+        if not all(isinstance(b, HopeBlock) for b in blocks):
+            raise TypeError("HopeLM needs HopeBlock blocks")
+        self.cms_mode = cfg.cms_mode
+        self.piece = cfg.cms_periods[0]  # C1: the finest CMS period, the teach granularity
+
+    def hope_blocks(self) -> list[HopeBlock]:
+        return [cast(HopeBlock, b) for b in self.blocks]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + tied head: x [B, T, d] -> logits [B, T, V] (as in the shell)."""
+        return F.linear(self.norm(x), self.embed.weight)
+
+    def forward_teach(
+        self, tokens: torch.Tensor, targets: torch.Tensor, state: LMState | None = None
+    ) -> tuple[torch.Tensor, LMState]:
+        """tokens, targets [B, T] -> (logits [B, T, V], state), CMS written per ``cms_mode``.
+
+        Targets equal to -100 contribute no loss (and hence no teach signal). Causal at
+        the chunk granularity of MECHANISMS §2: the logits at t use only tokens ≤ t and
+        targets < t. Works under ``torch.no_grad`` (the teach signal enables grad locally).
+        """
+        if tokens.dim() != 2 or targets.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and targets must both be [B, T]; got {tuple(tokens.shape)} "
+                f"and {tuple(targets.shape)}"
+            )
+        if state is None:
+            state = self.init_state(tokens.shape[0])
+        if self.cms_mode == "static":
+            return cast(tuple[torch.Tensor, LMState], self(tokens, state))
+        if self.cms_mode == "exact_online":
+            return exact_online_forward(self, tokens, targets, state)
+        return teach_pass_forward(self, tokens, targets, state)
+
+    def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token CE (fp32; fp64 for an fp64 model) of ``forward_teach``, fresh context.
+
+        One backward trains every meta parameter: CMS θ0 through the θ0 + sg(Δ) reads,
+        SMT initial states through its in-graph writes, attention, norms, embeddings.
+        """
+        logits, _ = self.forward_teach(tokens, targets)
+        work = torch.promote_types(logits.dtype, torch.float32)
+        return F.cross_entropy(logits.to(work).flatten(0, 1), targets.flatten())
+
+
+def _hope_model(cfg: ModelConfig, make_mixer: type[nn.Module]) -> HopeLM:
+    blocks = nn.ModuleList(HopeBlock(cfg, make_mixer(cfg)) for _ in range(cfg.n_layers))
+    return HopeLM(cfg, blocks)
+
+
+@register_variant("hope_attention")
+def build_hope_attention(cfg: ModelConfig) -> LanguageModel:
+    return _hope_model(cfg, AttentionMixer)
+
+
+@register_variant("hope")
+def build_hope(cfg: ModelConfig) -> LanguageModel:
+    # Pass A streams the call in C1-token pieces; the streamed SMT equals the one-call
+    # SMT (and exact_online's SMT equals the read path's) only if C1 is a multiple of C_m.
+    c1 = cfg.cms_periods[0] if cfg.cms_periods else 0
+    if cfg.cms_mode != "static" and (c1 < 1 or c1 % cfg.smt_mem_chunk != 0):
+        raise ConfigError(
+            f"model.cms_periods[0]={c1} must be a multiple of model.smt_mem_chunk="
+            f"{cfg.smt_mem_chunk} for variant 'hope' with cms_mode={cfg.cms_mode!r} "
+            f"(got model.cms_periods={cfg.cms_periods})"
+        )
+    return _hope_model(cfg, SMTMixer)

@@ -1,0 +1,209 @@
+"""CMS driven by the LM teach signal (MECHANISMS §8.3; NL §2.1 "local surprise signal").
+
+δ_{layer,ℓ} = ∂L/∂(output of CMS level ℓ of that layer), L = Σ_t CE_t (sum, not mean:
+MECHANISMS §4, so inner learning rates do not depend on B, T or C), in fp32 (fp64 for an
+fp64 model). The teach granularity is C1, the finest CMS period; every coarser period
+is a multiple of it, so every level boundary lies on the C1 grid.
+
+``teach_pass`` (MECHANISMS §8.3b), two passes:
+  Pass A: the call in C1 pieces (aligned to the CMS grid, i.e. after the P pending
+    tokens of the state), each mixer's state carried *detached* between pieces, CMS
+    reading θ0 (the context-start Δ = 0) without writing; δ = autograd.grad(Σ CE, taps) only,
+    so no meta-parameter ``.grad`` is touched. No path crosses a piece boundary, so δ
+    of piece m depends only on targets of piece m (≤ the first token of piece m+1) and
+    Δ_n (built from pieces < n) depends only on tokens ≤ n·C1: exactly causal.
+  Pass B: one full forward; each layer's CMS runs ``teach_forward`` with its δ
+    (per-chunk θ0 + sg(Δ_n) in one batched read). Its logits and state are returned.
+  Approximation (as in Titans mini-batch GD): δ comes from θ0, not the online Δ.
+  Pass A is thus a model of its own (the θ0-CMS model); its mixer states are carried
+  across calls in ``HopeBlockState.teach_mixer``, so chained calls split on the C1
+  grid equal one call exactly (pass A never depends on where calls split).
+
+``exact_online`` (the oracle, MECHANISMS §8.3a): per piece, forward with the carried
+states (mixer state not detached, so meta gradients flow as in one call), read with
+the current Δ, δ = autograd.grad(piece loss, this piece's taps), then write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hope.memory.fast_state import detach_state
+from hope.model.lm import LMState
+
+if TYPE_CHECKING:
+    from hope.model.hope import HopeLM
+
+IGNORE_INDEX = -100
+
+
+def piece_bounds(length: int, piece: int, pending: int) -> list[tuple[int, int]]:
+    """[start, stop) of the call's pieces on the C1 grid; the first piece completes the
+    ``pending`` tokens already buffered by the state (static ints, no device sync)."""
+    if not 0 <= pending < piece:
+        raise ValueError(f"pending tokens {pending} must be in [0, {piece})")
+    bounds, start, stop = [], 0, min(length, piece - pending)
+    while start < length:
+        bounds.append((start, stop))
+        start, stop = stop, min(length, stop + piece)
+    return bounds
+
+
+def _teach_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def token_ce(logits: Tensor, targets: Tensor) -> Tensor:
+    """Per-token CE [B, T] in fp32, fp64 for an fp64 model (0 where target = -100)."""
+    flat = F.cross_entropy(
+        logits.to(_teach_dtype(logits.dtype)).flatten(0, 1),
+        targets.flatten(),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
+    )
+    return flat.view(targets.shape)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy [B, T] of the predicted next-token distribution (a surprise metric)."""
+    logp = F.log_softmax(logits.to(_teach_dtype(logits.dtype)), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+@dataclass
+class TeachSignal:
+    """Pass-A output: per layer, per CMS level δ [B, T, d]; optional surprise inputs."""
+
+    deltas: list[list[Tensor]]
+    mixer_states: list[Any]  # per layer: pass A's detached mixer state after the call
+    token_loss: Tensor | None = None  # [B, T], only when the surprise metric needs it
+    token_entropy: Tensor | None = None  # [B, T]
+
+    def surprise_kwargs(self) -> dict[str, Any]:
+        return {"token_loss": self.token_loss, "token_entropy": self.token_entropy}
+
+
+def _surprise_inputs(
+    model: HopeLM, logits: Tensor, losses: Tensor
+) -> tuple[Tensor | None, Tensor | None]:
+    """Per-token loss / entropy when the surprise gate needs them (MECHANISMS §4)."""
+    if model.cfg.surprise_threshold is None:
+        return None, None
+    metric = model.cfg.surprise_metric
+    loss = losses.detach() if metric == "loss" else None
+    entropy = token_entropy(logits.detach()) if metric == "entropy" else None
+    return loss, entropy
+
+
+def teach_signal(model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState) -> TeachSignal:
+    """Pass A of ``teach_pass``: chunk-local δ for every CMS level of every layer.
+
+    Layer-major (each layer over the whole call, its mixer in detached pieces) equals
+    piece-major, because nothing flows from a later layer back to an earlier one.
+    """
+    pending = state.blocks[0].cms[0].pending
+    bounds = piece_bounds(tokens.shape[1], model.piece, pending)
+    with torch.enable_grad():
+        # A leaf that requires grad: taps stay differentiable even if θ is frozen;
+        # the embedding's own gradient is not needed for δ.
+        x = model.embed(tokens).detach().requires_grad_(True)
+        outputs: list[Tensor] = []
+        mixer_states = []
+        for block, block_state in zip(model.hope_blocks(), state.blocks, strict=True):
+            start_state = block_state.teach_mixer
+            if start_state is None:
+                start_state = block_state.mixer
+            x, mixer_state = block.mix_pieces(x, start_state, state.pos, bounds)
+            mixer_states.append(mixer_state)
+            x, taps = block.cms.read(x)  # θ0, no writes
+            outputs.extend(tap.output for tap in taps)
+        logits = model.logits(x)
+        losses = token_ce(logits, targets)  # [B, T]
+        grads = torch.autograd.grad(losses.sum(), outputs)
+    n_levels = len(model.hope_blocks()[0].cms.levels)
+    flat = [g.to(_teach_dtype(g.dtype)) for g in grads]
+    deltas = [flat[i : i + n_levels] for i in range(0, len(flat), n_levels)]
+    loss, entropy = _surprise_inputs(model, logits, losses)
+    return TeachSignal(deltas, mixer_states, loss, entropy)
+
+
+def teach_forward(
+    model: HopeLM, tokens: Tensor, signal: TeachSignal, state: LMState
+) -> tuple[Tensor, LMState]:
+    """Pass B: one full forward; CMS level ℓ of each layer reads θ0 + sg(Δ_n) per chunk,
+    with Δ_n built from this pass's inputs and the given δ (``CMS.teach_forward``)."""
+    x = model.embed(tokens)  # [B, T, d]
+    new_states = []
+    for block, block_state, teaches, teach_mixer in zip(
+        model.hope_blocks(), state.blocks, signal.deltas, signal.mixer_states, strict=True
+    ):
+        x, mixer_state = block.mix(x, block_state.mixer, state.pos)
+        x, cms_state = block.cms.teach_forward(
+            x, teaches, block_state.cms, **signal.surprise_kwargs()
+        )
+        new_states.append(
+            dataclasses.replace(
+                block_state, mixer=mixer_state, cms=cms_state, teach_mixer=teach_mixer
+            )
+        )
+    return model.logits(x), LMState(new_states, state.pos + tokens.shape[1])
+
+
+def teach_pass_forward(
+    model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState
+) -> tuple[Tensor, LMState]:
+    """``teach_pass`` mode: pass A (δ) then pass B (logits, state)."""
+    return teach_forward(model, tokens, teach_signal(model, tokens, targets, state), state)
+
+
+def exact_online_forward(
+    model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState
+) -> tuple[Tensor, LMState]:
+    """``exact_online`` mode: piece by piece, read with the current Δ, then write.
+
+    With grad enabled by the caller the mixer state is carried with its graph, so one
+    backward of the concatenated logits trains the meta parameters as one call would;
+    under ``no_grad`` it is detached per piece (nothing to train, bounded memory).
+    """
+    keep_graph = torch.is_grad_enabled()
+    blocks = model.hope_blocks()
+    mixers = [s.mixer for s in state.blocks]
+    levels = [s.cms for s in state.blocks]
+    pending = levels[0][0].pending
+    piece_logits = []
+    for start, stop in piece_bounds(tokens.shape[1], model.piece, pending):
+        with torch.enable_grad():
+            x = model.embed(tokens[:, start:stop])
+            if not x.requires_grad:  # frozen θ: the taps still need a graph for δ
+                x = x.detach().requires_grad_(True)
+            layer_taps = []
+            for i, block in enumerate(blocks):
+                x, mixers[i] = block.mix(x, mixers[i], state.pos + start)
+                x, taps = block.cms.read(x, levels[i])
+                layer_taps.append(taps)
+            logits = model.logits(x)
+            losses = token_ce(logits, targets[:, start:stop])
+            outputs = [tap.output for taps in layer_taps for tap in taps]
+            grads = torch.autograd.grad(losses.sum(), outputs, retain_graph=keep_graph)
+        loss, entropy = _surprise_inputs(model, logits, losses)
+        for i, (block, taps) in enumerate(zip(blocks, layer_taps, strict=True)):
+            teaches = [
+                g.to(_teach_dtype(g.dtype)) for g in grads[i * len(taps) : (i + 1) * len(taps)]
+            ]
+            levels[i] = block.cms.write(
+                taps, teaches, levels[i], token_loss=loss, token_entropy=entropy
+            )
+        if not keep_graph:
+            mixers, logits = detach_state(mixers), logits.detach()
+        piece_logits.append(logits)
+    new_states = [
+        dataclasses.replace(s, mixer=m, cms=c, teach_mixer=None)
+        for s, m, c in zip(state.blocks, mixers, levels, strict=True)
+    ]
+    return torch.cat(piece_logits, dim=1), LMState(new_states, state.pos + tokens.shape[1])

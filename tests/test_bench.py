@@ -1,0 +1,221 @@
+"""The bench stage: report shape, sync counting, FLOPs formulas, skips and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hope
+from hope.bench import flops
+from hope.bench import run as bench_run
+from hope.bench.measure import count_host_syncs
+from hope.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = ROOT / "params.yaml"
+ROW_KEYS = {
+    "tokens_per_s", "step_ms", "step_ms_min", "peak_mem_mb", "mem_baseline_mb",
+    "host_syncs_per_step", "params", "flops_per_token", "achieved_gflops_per_s", "mfu",
+    "loss", "precision", "relative_to_transformer", "step_time_ratio_vs_transformer",
+}  # fmt: skip
+SMALL = (
+    "model.dim=32", "model.n_heads=2", "tokenizer.vocab_size=64", "data.seq_len=16",
+    "bench.batch_size=2", "bench.warmup=1", "bench.steps=2",
+    "bench.shapes=[tiny]", "bench.device=cpu",
+)  # fmt: skip
+
+
+def small_cfg(*extra: str) -> Config:
+    return load_config(PARAMS, [*SMALL, *extra])
+
+
+def test_report_rows_are_finite_positive_and_relative_to_transformer(tmp_path: Path) -> None:
+    cfg = small_cfg("bench.variants=[transformer,hope_attention,no_such_variant]")
+    report = bench_run.run_bench(cfg, tmp_path / "bench.json", isolate=False)
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    rows = report["tiny"]
+    assert set(rows) == {"transformer", "hope_attention"}
+    for variant, row in rows.items():
+        assert set(row) == ROW_KEYS, variant
+        for key in ("tokens_per_s", "step_ms", "peak_mem_mb", "params", "flops_per_token"):
+            assert math.isfinite(row[key]) and row[key] > 0, (variant, key)
+        assert row["mfu"] is None and row["precision"] == "fp32"  # CPU: no bf16 peak
+        assert row["tokens_per_s"] == pytest.approx(2 * 16 / (row["step_ms"] / 1e3))
+        assert row["host_syncs_per_step"] == 0
+    base, other = rows["transformer"], rows["hope_attention"]
+    assert base["relative_to_transformer"] == 1.0
+    assert base["step_time_ratio_vs_transformer"] == 1.0
+    assert other["relative_to_transformer"] == other["tokens_per_s"] / base["tokens_per_s"]
+    model = hope.build_model(dataclasses.replace(cfg.model, variant="transformer"))
+    assert base["params"] == model.num_parameters()
+    # Random tokens: the initial loss is near ln(V).
+    assert base["loss"] == pytest.approx(math.log(64), abs=0.3)
+    reason = report["skipped"]["tiny"]["no_such_variant"]
+    assert "not registered" in reason and "transformer" in reason
+    machine = report["machine"]
+    assert machine["torch"] == torch.__version__ and machine["gpu"] is None
+    assert machine["torch_threads"] == torch.get_num_threads() and machine["logical_cores"] >= 1
+    assert report["config"]["shapes_used"]["tiny"] == {
+        "dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "seq_len": 16, "batch_size": 2,
+    }  # fmt: skip
+
+
+def _probe_builder(n_items: int) -> Any:
+    """build_model whose training_loss makes ``n_items`` `.item()` calls plus one bool()."""
+    real_build = hope.build_model
+
+    def build(model_cfg: Any) -> Any:
+        model = real_build(model_cfg)
+        loss_fn = model.training_loss
+
+        def training_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(x, y)
+            for _ in range(n_items):
+                loss.item()
+            bool(loss > 0)
+            return loss
+
+        model.training_loss = training_loss  # type: ignore[method-assign]
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("n_items", [1, 3])
+def test_host_sync_counter_sees_injected_syncs(
+    monkeypatch: pytest.MonkeyPatch, n_items: int
+) -> None:
+    monkeypatch.setattr(bench_run, "build_model", _probe_builder(n_items))
+    row = bench_run.measure_variant(small_cfg(), "transformer", "tiny")
+    assert row["host_syncs_per_step"] == n_items + 1
+
+
+def test_sync_counter_restores_tensor_methods() -> None:
+    original = torch.Tensor.item
+    with count_host_syncs() as calls:
+        torch.ones(()).item()
+        torch.ones(2).tolist()
+    assert calls == ["item", "tolist"]
+    assert torch.Tensor.item is original
+
+
+def test_failing_measurement_is_skipped_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_build = hope.build_model
+
+    def build(model_cfg: Any) -> Any:
+        if model_cfg.variant == "hope_attention":
+            raise RuntimeError("deliberately broken")
+        return real_build(model_cfg)
+
+    monkeypatch.setattr(bench_run, "build_model", build)
+    cfg = small_cfg("bench.variants=[hope_attention,transformer]")
+    report = bench_run.run_bench(cfg, tmp_path / "bench.json", isolate=False)
+    assert set(report["tiny"]) == {"transformer"}
+    assert report["skipped"] == {"tiny": {"hope_attention": "RuntimeError: deliberately broken"}}
+
+
+def test_without_transformer_the_ratios_are_null(tmp_path: Path) -> None:
+    report = bench_run.run_bench(
+        small_cfg("bench.variants=[titans_lmm]"), tmp_path / "b.json", isolate=False
+    )
+    assert report["tiny"]["titans_lmm"]["relative_to_transformer"] is None
+
+
+def test_transformer_flops_match_hand_computation() -> None:
+    cfg = dataclasses.replace(
+        Config().model, variant="transformer", dim=64, n_layers=2, n_heads=4, vocab_size=100
+    )
+    # SwiGLU hidden: round(2*4*64/3) = 171 -> 176 (multiple of 8).
+    # Per layer: 8*64^2 (qkv, out) + 2*32*64 (causal scores+values, T=32) + 6*64*176 (MLP)
+    #          = 32768 + 4096 + 67584 = 104448; two layers + head 2*64*100 = 221696.
+    assert flops.forward_flops_per_token(cfg, 32) == 221696
+    assert flops.training_flops_per_token(cfg, 32) == 3 * 221696
+
+
+def test_transformer_flops_follow_the_6n_rule_of_the_real_model() -> None:
+    cfg = load_config(PARAMS, ["model.variant=transformer"]).model
+    model = hope.build_model(cfg)
+    matmul_params = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    seq_len = 128
+    attention = 6 * cfg.n_layers * seq_len * cfg.dim  # 3 x 2Td per layer
+    assert flops.training_flops_per_token(cfg, seq_len) == 6 * matmul_params + attention
+
+
+def test_teach_pass_and_write_backprop_add_their_documented_cost() -> None:
+    base = dataclasses.replace(Config().model, variant="hope", vocab_size=256)
+    static = dataclasses.replace(base, cms_mode="static", write_grad="stopgrad")
+    forward = flops.forward_flops_per_token(static, 64)
+    assert flops.training_flops_per_token(static, 64) == 3 * forward
+    teach = dataclasses.replace(static, cms_mode="teach_pass")
+    assert flops.training_flops_per_token(teach, 64) == 5 * forward
+    full = dataclasses.replace(static, write_grad="full")
+    smt = flops.smt_flops(base)
+    assert flops.training_flops_per_token(full, 64) == pytest.approx(
+        3 * forward + 0.3 * 3 * base.n_layers * smt
+    )
+
+
+def test_peak_flops_table() -> None:
+    assert flops.peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert flops.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert flops.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert flops.peak_bf16_flops("cpu") is None and flops.peak_bf16_flops(None) is None
+
+
+def test_smoke_shape_is_valid_for_every_bench_variant() -> None:
+    cfg = load_config(PARAMS)
+    shape = bench_run.bench_shape(cfg, "smoke")
+    assert (shape.seq_len, shape.batch_size) == (64, 4)
+    for variant in cfg.bench.variants:
+        model = hope.build_model(dataclasses.replace(shape.model, variant=variant))  # type: ignore[arg-type]
+        assert model.embed.weight.shape == (32_000, 128), variant
+
+
+def test_bad_bench_knobs_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"bench\.steps must be >= 1"):
+        bench_run.run_bench(small_cfg("bench.steps=0"), tmp_path / "b.json")
+    with pytest.raises(ConfigError, match=r"bench\.shapes"):
+        load_config(PARAMS, ["bench.shapes=[huge]"])
+
+
+def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    sets = [*SMALL, "bench.variants=[transformer]", "bench.shapes=[tiny,smoke]"]
+    args = [arg for s in sets for arg in ("--set", s)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "stages/bench.py"), "--params", str(PARAMS), *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "reports/bench.json").read_text())
+    assert "bench tiny/transformer" in proc.stdout
+    assert set(report) == {"machine", "tiny", "smoke", "skipped", "config", "wall_s"}
+    assert report["skipped"] == {}
+    for shape, tokens in (("tiny", 2 * 16), ("smoke", 4 * 64)):
+        row = report[shape]["transformer"]
+        assert row["peak_mem_mb"] >= row["mem_baseline_mb"] > 0
+        assert row["host_syncs_per_step"] == 0
+        assert row["tokens_per_s"] == pytest.approx(tokens / (row["step_ms"] / 1e3))
+    assert report["machine"]["torch_threads"] == 1  # from the measuring subprocess
+    assert report["smoke"]["transformer"]["params"] > 32_000 * 128
+
+
+def test_bad_override_fails_the_stage_with_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "stages/bench.py"), "--params", str(PARAMS),
+         "--set", "bench.warmup=-1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "bench.warmup must be >= 0" in proc.stderr
+    assert not (tmp_path / "reports/bench.json").exists()
