@@ -38,6 +38,11 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
         assert (dvc_repo / "reports/plots" / name).stat().st_size > 1000
     for stage_config in ("data/raw", "data/tokenizer", "data/shards"):
         assert (dvc_repo / stage_config / "config.yaml").exists()
+    bench = _json(dvc_repo / "reports/bench.json")
+    for variant in ("transformer", "hope"):
+        row = bench["tiny"][variant]
+        assert row["tokens_per_s"] > 0 and row["host_syncs_per_step"] == 0
+    assert bench["tiny"]["transformer"]["relative_to_transformer"] == 1.0
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
     assert "ok" in verify.stdout
 
@@ -47,8 +52,9 @@ def test_second_repro_does_nothing(dvc_repo: Path) -> None:
     assert "up to date" in status.stdout
     again = run(["dvc", "repro"], dvc_repo)
     assert "Running stage" not in again.stdout
-    one_stage = run(["dvc", "repro", "train"], dvc_repo)
-    assert "Running stage" not in one_stage.stdout
+    for stage in ("train", "bench"):
+        one_stage = run(["dvc", "repro", stage], dvc_repo)
+        assert "Running stage" not in one_stage.stdout
 
 
 def test_plots_render_as_json(dvc_repo: Path) -> None:

@@ -14,6 +14,7 @@ COVERED = {
     r"make repro": f"{E2E} (dvc_repo fixture runs `make repro`)",
     r"make test": ".ci/run (CI)",
     r"dvc repro train": f"{E2E}::test_second_repro_does_nothing",
+    r"dvc repro bench": f"{E2E}::test_second_repro_does_nothing",
     r"dvc exp run -S \S+=\S+": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
     r"dvc exp show --md": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
     r"dvc metrics diff --md": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",

@@ -4,7 +4,16 @@ from typing import Any
 
 from hope.config import Config, ConfigError, load_config
 
-__all__ = ["VARIANTS", "Config", "ConfigError", "build_model", "load_config"]
+__all__ = [
+    "VARIANTS",
+    "Config",
+    "ConfigError",
+    "MemorizeConfig",
+    "build_model",
+    "load_config",
+    "memorize",
+    "memorize_sequence",
+]
 __version__ = "0.1.0"
 
 
@@ -14,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from hope.model import registry
 
         return getattr(registry, name)
+    if name in ("memorize", "memorize_sequence", "MemorizeConfig"):
+        from hope.model import memorize
+
+        return getattr(memorize, name)
     raise AttributeError(f"module 'hope' has no attribute {name!r}")
