@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hope.memory.residual_mlp import inner_loss
+from hope.memory.residual_mlp import curvature_bound, inner_loss, mlp_apply
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
 from hope.model.config import ModelConfig
 
@@ -113,3 +113,43 @@ def test_stopgrad_cuts_write_gradients():
         assert grads[name] is None or not grads[name].any(), name
     for name in ("init.w1", "init.w2", "w_o.weight"):
         assert grads[name] is not None and grads[name].abs().max() > 0, name
+
+
+def test_curvature_bound_is_exact_in_frobenius_terms_and_bounds_the_spectrum():
+    """curvature_bound = ||dM/dW1||_F^2 / d_out + ||dM/dW2||_F^2 >= ||J J^T||_2, by autograd."""
+    gen = torch.Generator().manual_seed(3)
+    w1 = 3.0 * torch.randn(1, 2, 4, 6, dtype=DT, generator=gen)  # [B, H, O, M], far from init
+    w2 = torch.randn(1, 2, 6, 4, dtype=DT, generator=gen)
+    k = torch.randn(1, 2, 5, 4, dtype=DT, generator=gen)  # not unit: ||k||^2 enters the bound
+    bound = curvature_bound(w1, w2, k)
+    for h in range(2):
+        for t in range(5):
+
+            def pred(a, b, h=h, t=t):
+                return mlp_apply(a[None, None], b[None, None], k[:, h : h + 1, t : t + 1], True)
+
+            j1, j2 = torch.autograd.functional.jacobian(pred, (w1[0, h], w2[0, h]))
+            j1, j2 = j1.reshape(4, -1), j2.reshape(4, -1)  # [d_out, #W1], [d_out, #W2]
+            frob = j1.pow(2).sum() / 4 + j2.pow(2).sum()
+            torch.testing.assert_close(bound[0, h, t], frob, rtol=1e-12, atol=0)
+            gauss_newton = j1 @ j1.T + j2 @ j2.T
+            assert torch.linalg.matrix_norm(gauss_newton, ord=2) <= bound[0, h, t] + 1e-12
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_a_chunk_of_identical_keys_never_overshoots(chunk):
+    """Worst case of the chunked write (Ti eq. 16): all C gradients at the chunk
+    start point the same way. With theta and eta at their maxima and a memory
+    far from init, one chunk must still lower the inner loss on its keys."""
+    module = _module(titans_chunk=chunk)
+    with torch.no_grad():
+        module.gates.weight.zero_()
+        module.gates.bias.copy_(torch.tensor([30.0] * 2 + [30.0] * 2 + [-30.0] * 2))
+        module.init.w1.mul_(100.0)  # ||W1|| ~ 2: large curvature through W2
+    x = _x(seq=1).expand(2, chunk, 8).contiguous()
+    init = module.init_state(2)
+    _, state = module(x, init)
+    (_, k, v), _ = module._project(x, init.conv_tail)
+    loss0 = inner_loss(init.memory.w1, init.memory.w2, k, v, "l2", True)
+    loss1 = inner_loss(state.memory.w1, state.memory.w2, k, v, "l2", True)
+    assert bool((loss1 < loss0).all()), (loss0, loss1)

@@ -110,6 +110,21 @@ def grad_factors(
     return GradFactors(e=err, a=act, d=hidden_err)
 
 
+def curvature_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
+    """Upper bound [B, H, T] on ||J_t J_t^T||_2, J_t = dM(k_t)/d(W1, W2).
+
+    For M(z) = [z +] W1 gelu(W2 z), J_t J_t^T = ||a_t||^2 I + ||k_t||^2 W1 G_t^2 W1^T
+    with a_t = gelu(W2 k_t), G_t = diag(gelu'(W2 k_t)); so its norm is at most
+    ||a_t||^2 + ||k_t||^2 ||W1 G_t||_F^2. A gradient step of size theta on the
+    l2 loss changes M(k_t) by -2 theta J J^T e_t (cf. Ti eq. 12).
+    """
+    pre = mlp_hidden(w2, k)  # [B, H, T, h_m]
+    act_sq = F.gelu(pre).pow(2).sum(-1)
+    col_sq = w1.pow(2).sum(-2)  # [B, H, h_m]: squared column norms of W1
+    back_sq = torch.einsum("bhtm,bhm->bht", gelu_derivative(pre).pow(2), col_sq)
+    return act_sq + k.pow(2).sum(-1) * back_sq
+
+
 class MemoryInit(nn.Module):
     """Meta-learned initial state of one memory for H heads.
 

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
-from hope.memory.residual_mlp import FastWeights, MemoryInit, mlp_apply
+from hope.memory.residual_mlp import FastWeights, MemoryInit, curvature_bound, mlp_apply
 from hope.model.config import ModelConfig
 
 
@@ -142,7 +142,13 @@ class SelfModifyingTitans(nn.Module):
 
     def _generate(self, mems: dict[str, FastWeights], xc: Tensor) -> _Generated:
         k = F.normalize(self._run_memory(mems["k"], "k", xc), dim=-1)
-        v = self._run_memory(mems["v"], "v", xc)
+        # v is only ever the input of the self-generated targets v_hat = M(v) (eq. 84).
+        # Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's gain
+        # raises v and with it every target (targets 5 -> 228 -> 3e8 within one
+        # 128-token context after ~100 outer steps of the tiny preset). Normalising v
+        # like k (a deviation; docs/FAITHFULNESS.md) keeps the targets' inputs on the
+        # unit sphere.
+        v = F.normalize(self._run_memory(mems["v"], "v", xc), dim=-1)
         if self.w_q is None:
             q = F.normalize(self._run_memory(mems["q"], "q", xc), dim=-1)
         else:
@@ -154,6 +160,22 @@ class SelfModifyingTitans(nn.Module):
         alpha = torch.sigmoid(alpha_logit + self.alpha_bias[:, None])
         return _Generated(k, v, q, eta, alpha)
 
+    @staticmethod
+    def _bounded_eta(fast: FastWeights, gen: _Generated) -> Tensor:
+        """eta_t / (1 + C eta_t lambda_t): the inner step of eq. 88 with a curvature bound.
+
+        A chunk applies C gradients taken at its start state (eq. 90). When its keys
+        share a direction they add up and move M(k) by up to C eta lambda times the
+        error, lambda = ||J J^T|| the memory's curvature at k (``curvature_bound``);
+        past 1 the write overshoots, and the self-generated targets v_hat = M(v) then
+        grow with it (seen as NaN after ~100 outer steps of the tiny preset). The
+        bound keeps C eta lambda < 1 and leaves eta unchanged while C eta lambda << 1
+        (at init: eta ~ 1e-3, lambda ~ 1-10). A deviation; docs/FAITHFULNESS.md.
+        """
+        chunk = gen.k.shape[2]
+        curvature = curvature_bound(fast.w1, fast.w2, gen.k)  # [B, H, C]
+        return gen.eta / (1.0 + chunk * gen.eta * curvature)
+
     def _write(
         self, fast: FastWeights, name: str, gen: _Generated, backend: str | None
     ) -> FastWeights:
@@ -162,7 +184,7 @@ class SelfModifyingTitans(nn.Module):
         # the outer graph: it is M_v's only path to the loss.
         target = self._run_memory(fast, name, gen.v)
         new = dgd_write(
-            fast, gen.k, target, gen.eta, gen.alpha,
+            fast, gen.k, target, self._bounded_eta(fast, gen), gen.alpha,
             objective=self.cfg.smt_objective, residual=self.residual[name],
             precondition=self.cfg.smt_precondition, momentum=self.cfg.smt_momentum,
             backend=backend,

@@ -7,8 +7,11 @@ per-sample fast state. Inner loss ||M(k_t) - v_t||^2 (Ti eq. 12); update
 
   S_t = eta_t S_{t-1} - theta_t grad,   M_t = (1 - alpha_t) M_{t-1} + S_t   (eqs. 13-14)
 
-with data-dependent gates theta, eta, alpha = sigmoid(linear(x)) per head and
-token. Chunked training (Ti eqs. 16-18): every gradient of a chunk of
+with data-dependent gates eta, alpha = sigmoid(linear(x)) per head and token.
+Deviation (stabiliser): theta_t = theta_max sigmoid(linear(x_t)) / max(1, lambda_t),
+theta_max = 1 / (C (C + 1)) and lambda_t >= the Gauss-Newton curvature of the
+memory at k_t, so a chunk of C stale gradients never overshoots (``max_step``).
+Chunked training (Ti eqs. 16-18): every gradient of a chunk of
 ``titans_chunk`` tokens is taken at the chunk-start weights; momentum and decay
 across its tokens are applied in closed form (``ops/chunk.py``).
 
@@ -30,12 +33,34 @@ from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import momentum_write, resolve_backend
-from hope.memory.residual_mlp import FastWeights, MemoryInit, mlp_apply
+from hope.memory.residual_mlp import FastWeights, MemoryInit, curvature_bound, mlp_apply
 from hope.model.config import ModelConfig
 
-# Gate biases at init (sigmoid of these): a small step theta ~ 0.05, a long
-# surprise momentum eta ~ 0.9 and a slow forgetting alpha ~ 0.005.
-_GATE_INIT = {"theta": 0.05, "eta": 0.9, "alpha": 0.005}
+# Gate values at init (the paper gives none): theta at half its cap (a
+# fraction of ``max_step``), a long surprise momentum eta ~ 0.9 and a slow
+# forgetting alpha ~ 0.005 per token.
+_GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
+
+
+def max_step(chunk: int) -> float:
+    """Cap theta_max = 1 / (C (C + 1)) of the inner step for chunks of C tokens.
+
+    Chunked training (Ti eq. 16) takes all C gradients of a chunk at the
+    chunk-start weights M_{t'}; with momentum (Ti eq. 18) the gradient of token
+    s reaches the chunk-end weights with weight theta_s sum_{j>=s} prod eta,
+    at most (C - s + 1) theta. When the chunk's keys share a direction (MAC
+    writes attention outputs, nearly constant within a segment: mean cos^2 to
+    the chunk-mean key ~ 0.85 at init), these stale steps add up instead of
+    correcting each other, and M(k) moves along that direction by up to
+    C (C + 1) / 2 * theta * 2 J J^T, 2 J J^T being the curvature of
+    ||M(k) - v||^2 (Ti eq. 12). With the step divided by ``curvature_bound``
+    (>= ||J J^T||) that is <= C (C + 1) theta, so theta <= theta_max keeps it
+    <= 1: no overshoot, whatever eta and alpha. The momentum carried into later
+    chunks is a heavy ball with beta = prod eta < 1, stable for steps < 2.
+    Before (theta = sigmoid ~ 0.05, unnormalised, C = 16) the chunk step was
+    ~ 4 lambda with lambda ~ 2-10, and titans_mac was NaN after 80 tokens.
+    """
+    return 1.0 / (chunk * (chunk + 1))
 
 
 @dataclass
@@ -118,11 +143,17 @@ class NeuralMemory(nn.Module):
         theta, eta, alpha = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
         fast, chunks_done, reads = state.memory, state.chunks_done, []
         size = self.cfg.titans_chunk
+        theta_max = max_step(size)
         for start in range(0, seq, size):
             span = slice(start, start + size)
             reads.append(mlp_apply(fast.w1, fast.w2, q[:, :, span], residual=True))
+            # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
+            # a deviation that keeps the chunked write stable (see ``max_step``). For
+            # a linear memory with unit keys lambda_t = ||k_t||^2 = 1 (the paper's rule).
+            curvature = curvature_bound(fast.w1, fast.w2, k[:, :, span]).clamp_min(1.0)
+            step = theta_max * theta[:, :, span] / curvature
             fast = momentum_write(
-                fast, k[:, :, span], v[:, :, span], theta[:, :, span], eta[:, :, span],
+                fast, k[:, :, span], v[:, :, span], step, eta[:, :, span],
                 1.0 - alpha[:, :, span], objective="l2", residual=True, backend=backend,
             )  # fmt: skip
             chunks_done += 1
