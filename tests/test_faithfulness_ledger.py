@@ -35,12 +35,15 @@ def test_every_reference_exists() -> None:
 
 
 def test_continued_test_names_exist() -> None:
-    """Cells like "`test_x.py::test_a`, `::test_b`" name tests in the same file."""
+    """Cells like "`test_x.py::test_a`, `::test_b`" name tests in the file named last before."""
     for cell in LEDGER.split("|"):
-        files = re.findall(r"`(test_\w+\.py)::", cell)
-        for bare in re.findall(r"`::(test_\w+)`", cell):
-            assert files, cell
-            assert f"def {bare}(" in (ROOT / "tests" / files[-1]).read_text(), bare
+        current = None
+        for path, bare in re.findall(r"`(?:(test_\w+\.py)::\w+|::(test_\w+))`", cell):
+            if path:
+                current = path
+                continue
+            assert current is not None, cell
+            assert f"def {bare}(" in (ROOT / "tests" / current).read_text(), bare
 
 
 def test_every_test_reference_is_a_test_function() -> None:
