@@ -27,4 +27,4 @@ lint: setup
 	mypy
 
 test: lint
-	pytest -q
+	pytest -q --durations=15

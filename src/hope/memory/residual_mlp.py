@@ -57,6 +57,7 @@ class GradFactors:
     e: Tensor  # [B, H, T, d_out]  output error
     a: Tensor  # [B, H, T, h_m]    hidden activation gelu(W2 k)
     d: Tensor  # [B, H, T, h_m]    back-propagated hidden error
+    pre: Tensor  # [B, H, T, h_m]  pre-activation W2 k (the DGD preconditioner reuses it)
 
 
 def gelu_derivative(z: Tensor) -> Tensor:
@@ -87,6 +88,41 @@ def inner_loss(
     return -(pred * target).sum(-1)
 
 
+@dataclass
+class _Hidden:
+    """The memory's hidden layer at keys k, shared by the factors and the curvature."""
+
+    pre: Tensor  # [B, H, T, h_m] W2 k
+    act: Tensor  # [B, H, T, h_m] gelu(W2 k)
+    slope: Tensor  # [B, H, T, h_m] gelu'(W2 k)
+
+
+def _hidden(w2: Tensor, k: Tensor) -> _Hidden:
+    pre = mlp_hidden(w2, k)
+    return _Hidden(pre, F.gelu(pre), gelu_derivative(pre))
+
+
+def _factors(
+    w1: Tensor, k: Tensor, target: Tensor, hid: _Hidden, objective: Objective, residual: bool
+) -> GradFactors:
+    if objective == "l2":
+        pred = torch.einsum("bhom,bhtm->bhto", w1, hid.act)
+        if residual:
+            pred = pred + k
+        err = 2.0 * (pred - target)
+    else:
+        err = -target
+    hidden_err = torch.einsum("bhom,bhto->bhtm", w1, err) * hid.slope
+    return GradFactors(e=err, a=hid.act, d=hidden_err, pre=hid.pre)
+
+
+def _curvature(w1: Tensor, k: Tensor, hid: _Hidden) -> Tensor:
+    act_sq = hid.act.pow(2).sum(-1)
+    col_sq = w1.pow(2).sum(-2)  # [B, H, h_m]: squared column norms of W1
+    back_sq = torch.einsum("bhtm,bhm->bht", hid.slope.pow(2), col_sq)
+    return act_sq + k.pow(2).sum(-1) * back_sq
+
+
 def grad_factors(
     w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: bool
 ) -> GradFactors:
@@ -97,17 +133,7 @@ def grad_factors(
     which is automatic here because the gradient is written out by hand; the
     outer graph may still flow through ``target``.
     """
-    pre = mlp_hidden(w2, k)  # [B, H, T, h_m]
-    act = F.gelu(pre)
-    if objective == "l2":
-        pred = torch.einsum("bhom,bhtm->bhto", w1, act)
-        if residual:
-            pred = pred + k
-        err = 2.0 * (pred - target)
-    else:
-        err = -target
-    hidden_err = torch.einsum("bhom,bhto->bhtm", w1, err) * gelu_derivative(pre)
-    return GradFactors(e=err, a=act, d=hidden_err)
+    return _factors(w1, k, target, _hidden(w2, k), objective, residual)
 
 
 def curvature_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
@@ -118,11 +144,15 @@ def curvature_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
     ||a_t||^2 + ||k_t||^2 ||W1 G_t||_F^2. A gradient step of size theta on the
     l2 loss changes M(k_t) by -2 theta J J^T e_t (cf. Ti eq. 12).
     """
-    pre = mlp_hidden(w2, k)  # [B, H, T, h_m]
-    act_sq = F.gelu(pre).pow(2).sum(-1)
-    col_sq = w1.pow(2).sum(-2)  # [B, H, h_m]: squared column norms of W1
-    back_sq = torch.einsum("bhtm,bhm->bht", gelu_derivative(pre).pow(2), col_sq)
-    return act_sq + k.pow(2).sum(-1) * back_sq
+    return _curvature(w1, k, _hidden(w2, k))
+
+
+def grad_factors_and_curvature(
+    w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: bool
+) -> tuple[GradFactors, Tensor]:
+    """``grad_factors`` and ``curvature_bound`` at the same keys, sharing W2 k and gelu."""
+    hid = _hidden(w2, k)
+    return _factors(w1, k, target, hid, objective, residual), _curvature(w1, k, hid)
 
 
 class MemoryInit(nn.Module):

@@ -35,7 +35,12 @@ from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
-from hope.memory.residual_mlp import FastWeights, MemoryInit, curvature_bound, mlp_apply
+from hope.memory.residual_mlp import (
+    FastWeights,
+    MemoryInit,
+    grad_factors_and_curvature,
+    mlp_apply,
+)
 from hope.model.config import ModelConfig
 
 
@@ -62,6 +67,27 @@ class _Generated:
     q: Tensor  # [B, H, C, d_h]
     eta: Tensor  # [B, H, C]
     alpha: Tensor  # [B, H, C]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Memories whose fast weights are stacked along the head axis, [B, G*H, ...].
+
+    Members share d_out and residual-ness, and each chunk's k, v, eta, alpha, so
+    one batched call serves all of them. M_mem, when present, is the last member.
+    """
+
+    names: tuple[str, ...]
+    residual: bool
+
+    @property
+    def key(self) -> str:
+        return "+".join(self.names)
+
+    @property
+    def generators(self) -> tuple[str, ...]:
+        """Members that generate k, v, q, eta, alpha (eq. 83): all but M_mem."""
+        return tuple(n for n in self.names if n != "mem")
 
 
 def _validate(cfg: ModelConfig) -> None:
@@ -122,11 +148,6 @@ class SelfModifyingTitans(nn.Module):
         self.w_o = nn.Linear(cfg.dim, cfg.dim, bias=False)
         nn.init.normal_(self.w_o.weight, std=cfg.init_std)
 
-    @property
-    def written(self) -> tuple[str, ...]:
-        """Memories written every C_o tokens (M_mem is written every C_m)."""
-        return tuple(n for n in self.inits if n != "mem")
-
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> SMTState:
         mems = {n: cast(MemoryInit, init).init_state(batch_size) for n, init in self.inits.items()}
         tail = None if self.conv is None else self.conv.init_tail(batch_size)
@@ -137,31 +158,72 @@ class SelfModifyingTitans(nn.Module):
             )
         return state
 
-    def _run_memory(self, fast: FastWeights, name: str, z: Tensor) -> Tensor:
-        return mlp_apply(fast.w1, fast.w2, z, self.residual[name])
+    def _plan(self, backend: str) -> tuple[_Group, ...]:
+        """How the memories are stacked for one chunk step.
 
-    def _generate(self, mems: dict[str, FastWeights], xc: Tensor) -> _Generated:
-        k = F.normalize(self._run_memory(mems["k"], "k", xc), dim=-1)
+        The naive oracle keeps one group per memory (eq. 88 read literally). The
+        fast path stacks the residual memories written every C_o tokens (k, v,
+        adaptive q; and mem when C_m = C_o, since it is then written at the same
+        times from the same chunk) and, separately, the scalar ones (eta, alpha):
+        per chunk that is one MLP call, one factor/curvature pass and one
+        closed-form write per group instead of per memory.
+        """
+        if backend == "naive":
+            return tuple(_Group((n,), self.residual[n]) for n in self.inits)
+        wide = tuple(n for n in self.inits if self.residual[n] and n != "mem")
+        scalar = tuple(n for n in self.inits if not self.residual[n])
+        if self.cfg.smt_chunk == self.cfg.smt_mem_chunk:
+            return (_Group((*wide, "mem"), True), _Group(scalar, False))
+        return (_Group(wide, True), _Group(scalar, False), _Group(("mem",), True))
+
+    def _apply_members(
+        self, fast: FastWeights, group: _Group, members: tuple[str, ...], z: Tensor
+    ) -> dict[str, Tensor]:
+        """M_m(z) for the leading ``members`` of a stacked group; z [B, H, C, d_h]."""
+        n, heads = len(members), self.n_heads
+        w1, w2 = fast.w1, fast.w2
+        if n < len(group.names):
+            w1, w2 = w1[:, : n * heads], w2[:, : n * heads]
+        out = mlp_apply(w1, w2, _repeat_heads(z, n), group.residual)  # [B, n*H, C, d_out]
+        return dict(zip(members, out.split(heads, dim=1), strict=True))
+
+    def _generate(
+        self,
+        stacks: dict[str, FastWeights],
+        xc: Tensor,
+        plan: tuple[_Group, ...] | None = None,
+    ) -> _Generated:
+        """Eq. 83 with the chunk-start states. ``stacks`` maps each group's key to
+        its stacked state; the default (per-memory) plan takes the memories dict."""
+        raw: dict[str, Tensor] = {}
+        for group in plan or self._plan("naive"):
+            if group.generators:
+                raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
+        k = F.normalize(raw["k"], dim=-1)
         # v is only ever the input of the self-generated targets v_hat = M(v) (eq. 84).
         # Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's gain
         # raises v and with it every target (targets 5 -> 228 -> 3e8 within one
         # 128-token context after ~100 outer steps of the tiny preset). Normalising v
         # like k (a deviation; docs/FAITHFULNESS.md) keeps the targets' inputs on the
         # unit sphere.
-        v = F.normalize(self._run_memory(mems["v"], "v", xc), dim=-1)
+        v = F.normalize(raw["v"], dim=-1)
         if self.w_q is None:
-            q = F.normalize(self._run_memory(mems["q"], "q", xc), dim=-1)
+            q = F.normalize(raw["q"], dim=-1)
         else:
             q = F.normalize(torch.einsum("bhti,hio->bhto", xc, self.w_q), dim=-1)
-        eta = self.cfg.smt_eta_scale * F.softplus(
-            self._run_memory(mems["eta"], "eta", xc).squeeze(-1)
-        )
-        alpha_logit = self._run_memory(mems["alpha"], "alpha", xc).squeeze(-1)
+        eta = self.cfg.smt_eta_scale * F.softplus(raw["eta"].squeeze(-1))
+        alpha_logit = raw["alpha"].squeeze(-1)
         alpha = torch.sigmoid(alpha_logit + self.alpha_bias[:, None])
         return _Generated(k, v, q, eta, alpha)
 
+    def _read(self, fast: FastWeights, group: _Group, q: Tensor) -> Tensor:
+        """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
+        heads = self.n_heads
+        first = (len(group.names) - 1) * heads
+        return mlp_apply(fast.w1[:, first:], fast.w2[:, first:], q, True)
+
     @staticmethod
-    def _bounded_eta(fast: FastWeights, gen: _Generated) -> Tensor:
+    def _bounded_eta(eta: Tensor, curvature: Tensor) -> Tensor:
         """eta_t / (1 + C eta_t lambda_t): the inner step of eq. 88 with a curvature bound.
 
         A chunk applies C gradients taken at its start state (eq. 90). When its keys
@@ -172,22 +234,27 @@ class SelfModifyingTitans(nn.Module):
         bound keeps C eta lambda < 1 and leaves eta unchanged while C eta lambda << 1
         (at init: eta ~ 1e-3, lambda ~ 1-10). A deviation; docs/FAITHFULNESS.md.
         """
-        chunk = gen.k.shape[2]
-        curvature = curvature_bound(fast.w1, fast.w2, gen.k)  # [B, H, C]
-        return gen.eta / (1.0 + chunk * gen.eta * curvature)
+        chunk = eta.shape[2]
+        return eta / (1.0 + chunk * eta * curvature)
 
     def _write(
-        self, fast: FastWeights, name: str, gen: _Generated, backend: str | None
+        self, fast: FastWeights, group: _Group, gen: _Generated, backend: str
     ) -> FastWeights:
-        # v_hat = M(v) with this memory's chunk-start state (eq. 84). It is a
+        """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha."""
+        n = len(group.names)
+        k, v, eta, alpha = (_repeat_heads(t, n) for t in (gen.k, gen.v, gen.eta, gen.alpha))
+        # v_hat = M(v) with each member's chunk-start state (eq. 84). It is a
         # constant of the inner gradient (the factors treat it so) but stays in
         # the outer graph: it is M_v's only path to the loss.
-        target = self._run_memory(fast, name, gen.v)
+        target = mlp_apply(fast.w1, fast.w2, v, group.residual)
+        factors, curvature = grad_factors_and_curvature(
+            fast.w1, fast.w2, k, target, self.cfg.smt_objective, group.residual
+        )  # curvature differs per member, so each solves its own C x C system
         new = dgd_write(
-            fast, gen.k, target, self._bounded_eta(fast, gen), gen.alpha,
-            objective=self.cfg.smt_objective, residual=self.residual[name],
+            fast, k, target, self._bounded_eta(eta, curvature), alpha,
+            objective=self.cfg.smt_objective, residual=group.residual,
             precondition=self.cfg.smt_precondition, momentum=self.cfg.smt_momentum,
-            backend=backend,
+            backend=backend, factors=factors,
         )  # fmt: skip
         return new.detach() if self.cfg.write_grad == "stopgrad" else new
 
@@ -201,35 +268,66 @@ class SelfModifyingTitans(nn.Module):
         batch, seq, dim = x.shape
         if state is None:
             state = self.init_state(batch)
-        backend = backend or self.backend
+        backend = resolve_backend(backend or self.backend)
         tail = state.conv_tail
         if self.conv is not None:
             assert tail is not None
             x, tail = self.conv(x, tail)
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
-        mems = dict(state.memories)
+        plan = self._plan(backend)
+        flush = next(g for g in plan if "mem" in g.names)  # written every C_m tokens
+        stacks = {g.key: _stack(state.memories, g.names) for g in plan}
         c_o, c_m = self.cfg.smt_chunk, self.cfg.smt_mem_chunk
         pending: list[_Generated] = []
         pending_len, chunks_done = 0, state.chunks_done
         reads = []
         for start in range(0, seq, c_o):
-            gen = self._generate(mems, heads[:, :, start : start + c_o])
-            reads.append(self._run_memory(mems["mem"], "mem", gen.q))  # read before write
-            for name in self.written:
-                mems[name] = self._write(mems[name], name, gen, backend)
+            gen = self._generate(stacks, heads[:, :, start : start + c_o], plan)
+            reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write
+            for group in plan:
+                if group is not flush:
+                    stacks[group.key] = self._write(stacks[group.key], group, gen, backend)
             pending.append(gen)
             pending_len += gen.k.shape[2]
             if pending_len == c_m or start + c_o >= seq:
-                joined = _Generated(
-                    *(torch.cat([getattr(g, f) for g in pending], dim=2) for f in _FIELDS)
-                )
-                mems["mem"] = self._write(mems["mem"], "mem", joined, backend)
+                joined = pending[0] if len(pending) == 1 else _join(pending)
+                stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)
                 pending, pending_len = [], 0
             chunks_done += 1
             if self.cfg.write_grad == "truncated" and chunks_done % self.cfg.write_grad_window == 0:
-                mems = {n: m.detach() for n, m in mems.items()}
+                stacks = {key: m.detach() for key, m in stacks.items()}
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
-        return self.w_o(out), SMTState(mems, tail, chunks_done)
+        mems: dict[str, FastWeights] = {}
+        for group in plan:
+            mems |= _unstack(stacks[group.key], group.names, self.n_heads)
+        return self.w_o(out), SMTState({n: mems[n] for n in self.inits}, tail, chunks_done)
 
 
 _FIELDS = ("k", "v", "q", "eta", "alpha")
+
+
+def _join(pending: list[_Generated]) -> _Generated:
+    """The C_o chunks since M_mem's last write as one C_m chunk."""
+    return _Generated(*(torch.cat([getattr(g, f) for g in pending], dim=2) for f in _FIELDS))
+
+
+def _repeat_heads(t: Tensor, n: int) -> Tensor:
+    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
+    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
+
+
+def _stack(mems: dict[str, FastWeights], names: tuple[str, ...]) -> FastWeights:
+    """Members' states concatenated along the head axis: [B, G*H, ...]."""
+    if len(names) == 1:
+        return mems[names[0]]
+    parts = [mems[n] for n in names]
+    return FastWeights(
+        *(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("w1", "w2", "m1", "m2"))
+    )
+
+
+def _unstack(fast: FastWeights, names: tuple[str, ...], n_heads: int) -> dict[str, FastWeights]:
+    if len(names) == 1:
+        return {names[0]: fast}
+    pieces = [t.split(n_heads, dim=1) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
+    return {n: FastWeights(*(p[i] for p in pieces)) for i, n in enumerate(names)}

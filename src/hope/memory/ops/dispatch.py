@@ -8,13 +8,20 @@ Backends:
 - ``"fla"``: flash-linear-attention's ``chunk_gated_delta_rule`` supplies the
   W2 delta-rule part of a preconditioned DGD write (MECHANISMS §8.1 note);
   imported lazily, so the package never needs it. Untested here (CPU only).
+- ``"compile"``: the ``"torch"`` closed forms wrapped in ``torch.compile``
+  (fuses the many small ops of a chunk update); compiled lazily on first use,
+  never the default.
 
-``set_default_backend`` overrides the default (tests, benchmarks); modules
-also accept a per-instance ``backend``.
+``set_default_backend`` overrides the default (tests, benchmarks); the
+environment variable ``HOPE_MEMORY_BACKEND`` sets it at import; modules also
+accept a per-instance ``backend``.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
 from typing import Literal, cast
 
 import torch
@@ -22,11 +29,23 @@ from torch import Tensor
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
-from hope.memory.residual_mlp import FastWeights, Objective, grad_factors
+from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, grad_factors
 
-Backend = Literal["torch", "naive", "fla"]
-BACKENDS: tuple[str, ...] = ("torch", "naive", "fla")
-_default_backend: Backend = "torch"
+Backend = Literal["torch", "naive", "fla", "compile"]
+BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile")
+ENV_BACKEND = "HOPE_MEMORY_BACKEND"
+
+
+def _backend_from_env() -> Backend:
+    name = os.environ.get(ENV_BACKEND, "torch")
+    if name not in BACKENDS:
+        raise ValueError(
+            f"{ENV_BACKEND}={name!r} is not a memory backend; expected one of {BACKENDS}"
+        )
+    return cast(Backend, name)
+
+
+_default_backend: Backend = _backend_from_env()
 
 
 def set_default_backend(name: str) -> None:
@@ -40,6 +59,18 @@ def resolve_backend(name: str | None) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown memory backend {name!r}; expected one of {BACKENDS}")
     return cast(Backend, name)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
+    """``torch.compile(fn)``, built once per function on first use (backend 'compile')."""
+    return cast(Callable[..., tuple[Tensor, ...]], torch.compile(fn, dynamic=False))
+
+
+def _chunk_fn(
+    name: Backend, fn: Callable[..., tuple[Tensor, ...]]
+) -> Callable[..., tuple[Tensor, ...]]:
+    return _compiled(fn) if name == "compile" else fn
 
 
 def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) -> Tensor:
@@ -81,11 +112,14 @@ def dgd_write(
     precondition: bool,
     momentum: float,
     backend: str | None = None,
+    factors: GradFactors | None = None,
 ) -> FastWeights:
     """One chunk's DGD write of a self-modifying memory (NL-arXiv eq. 88).
 
     k [B,H,C,I] keys, target [B,H,C,O] self-generated v_hat, eta/alpha [B,H,C].
-    Gradients are taken at ``fast`` (the chunk-start state).
+    Gradients are taken at ``fast`` (the chunk-start state). ``factors``: the
+    caller's ``grad_factors(fast.w1, fast.w2, k, target, ...)`` when it already
+    has them (the naive backend ignores them and differentiates by autograd).
     """
     name = resolve_backend(backend)
     if name == "naive":
@@ -96,9 +130,9 @@ def dgd_write(
         return fast.with_weights(*out)
     if name == "fla" and (not precondition or momentum):
         raise ValueError("memory backend 'fla' supports only precondition=True, momentum=0")
-    fac = grad_factors(fast.w1, fast.w2, k, target, objective, residual)
+    fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     # For 'fla' the cheap decay-only W2 path runs here and is replaced below.
-    w1, w2, m1, m2 = chunk_dgd_update(
+    w1, w2, m1, m2 = _chunk_fn(name, chunk_dgd_update)(
         fast.w1,
         fast.w2,
         fast.m1,
@@ -109,8 +143,9 @@ def dgd_write(
         fac.d,
         eta,
         alpha,
-        precondition and name == "torch",
+        precondition and name != "fla",
         momentum,
+        fac.pre,
     )
     if name == "fla":
         w2 = _fla_delta_w2(fast.w2, k, fac.d, eta, alpha)
@@ -143,7 +178,7 @@ def momentum_write(
     if name == "fla":
         raise ValueError("memory backend 'fla' has no Titans momentum write; use 'torch'")
     fac = grad_factors(fast.w1, fast.w2, k, target, objective, residual)
-    out = chunk_momentum_update(
+    chunked = _chunk_fn(name, chunk_momentum_update)(
         fast.w1, fast.w2, fast.m1, fast.m2, k, fac.e, fac.a, fac.d, theta, eta, keep
     )
-    return fast.with_weights(*out)
+    return fast.with_weights(*chunked)
