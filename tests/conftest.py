@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,10 +61,24 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        cmd, cwd=cwd, env=pipeline_env(cwd), capture_output=True, text=True, timeout=timeout
-    )
+def run(cmd: list[str], cwd: Path, timeout: float = 2400) -> subprocess.CompletedProcess[str]:
+    """Run a pipeline command; on timeout kill its whole process group (no orphan stages)."""
+    with subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=pipeline_env(cwd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.communicate()
+            raise
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode})\n"
