@@ -1,0 +1,37 @@
+"""On CUDA, one full training step runs under sync-debug mode "error" (no host syncs).
+
+The CPU twin of this check is the counting test in tests/test_train_loop.py,
+tests/test_model_hope.py and tests/test_model_titans.py; this one needs a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hope
+from hope.optim.outer import build_optimizer
+from hope.train.loop import train_step
+from hope.train.schedule import build_scheduler
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("variant", ["transformer", "hope_attention", "hope", "titans_mac"])
+def test_training_step_is_sync_free_on_cuda(variant: str) -> None:
+    cfg = hope.load_config(None, [f"model.variant={variant}", "train.device=cuda"])
+    device = torch.device("cuda")
+    model = hope.build_model(cfg.model).to(device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, 10)
+    vocab = cfg.model.vocab_size or 1
+    x = torch.randint(0, vocab, (2, cfg.data.seq_len), device=device)
+    y = torch.randint(0, vocab, (2, cfg.data.seq_len), device=device)
+    train_step(model, optimizer, scheduler, x, y, 1.0, torch.bfloat16)  # warm-up: allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = train_step(model, optimizer, scheduler, x, y, 1.0, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
