@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hope.config import ConfigError
@@ -153,10 +152,6 @@ class HopeLM(LanguageModel):
     def hope_blocks(self) -> list[HopeBlock]:
         return [cast(HopeBlock, b) for b in self.blocks]
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm + tied head: x [B, T, d] -> logits [B, T, V] (as in the shell)."""
-        return F.linear(self.norm(x), self.embed.weight)
-
     def forward_teach(
         self, tokens: torch.Tensor, targets: torch.Tensor, state: LMState | None = None
     ) -> tuple[torch.Tensor, LMState]:
@@ -178,16 +173,6 @@ class HopeLM(LanguageModel):
         if self.cms_mode == "exact_online":
             return exact_online_forward(self, tokens, targets, state)
         return teach_pass_forward(self, tokens, targets, state)
-
-    def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token CE (fp32; fp64 for an fp64 model) of ``forward_teach``, fresh context.
-
-        One backward trains every meta parameter: CMS θ0 through the θ0 + sg(Δ) reads,
-        SMT initial states through its in-graph writes, attention, norms, embeddings.
-        """
-        logits, _ = self.forward_teach(tokens, targets)
-        work = torch.promote_types(logits.dtype, torch.float32)
-        return F.cross_entropy(logits.to(work).flatten(0, 1), targets.flatten())
 
 
 def _hope_model(cfg: ModelConfig, make_mixer: type[nn.Module]) -> HopeLM:

@@ -86,8 +86,11 @@ class LanguageModel(nn.Module):
         for block, block_state in zip(self.blocks, state.blocks, strict=True):
             x, block_state = block(x, block_state, state.pos)
             new_states.append(block_state)
-        logits = F.linear(self.norm(x), self.embed.weight)  # tied head
-        return logits, LMState(new_states, state.pos + tokens.shape[1])
+        return self.logits(x), LMState(new_states, state.pos + tokens.shape[1])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + tied head: x [B, T, d] -> logits [B, T, V]."""
+        return F.linear(self.norm(x), self.embed.weight)
 
     def forward_teach(
         self, tokens: torch.Tensor, targets: torch.Tensor, state: LMState | None = None
@@ -101,6 +104,9 @@ class LanguageModel(nn.Module):
         return self(tokens, state)
 
     def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy over a fresh context (fp32 logits)."""
-        logits, _ = self(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean next-token CE of ``forward_teach`` on a fresh context (fp32; fp64 for an
+        fp64 model). One backward trains every meta parameter, including memories'
+        initial states through their in-graph writes."""
+        logits, _ = self.forward_teach(tokens, targets)
+        work = torch.promote_types(logits.dtype, torch.float32)
+        return F.cross_entropy(logits.to(work).flatten(0, 1), targets.flatten())
