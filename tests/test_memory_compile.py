@@ -12,9 +12,10 @@ from hope.memory.ops import dispatch
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
 from hope.memory.residual_mlp import (
     FastWeights,
+    chunk_pass,
     curvature_bound,
     grad_factors,
-    grad_factors_and_curvature,
+    mlp_apply,
 )
 
 B, H, C, D_IN, D_HID = 2, 3, 5, 4, 8
@@ -59,20 +60,29 @@ def test_compile_backend_is_opt_in_and_env_selects_it(monkeypatch):
 
 
 @pytest.mark.parametrize("objective", ["l2", "dot"])
-@pytest.mark.parametrize("d_out", [D_IN, 1])
-def test_factors_and_curvature_in_one_pass_equal_separate_calls(objective, d_out):
-    x = _inputs(d_out, seed=1)
-    residual = d_out == D_IN
-    fac, curv = grad_factors_and_curvature(
-        x["w1"], x["w2"], x["k"], x["target"], objective, residual
-    )
-    ref = grad_factors(x["w1"], x["w2"], x["k"], x["target"], objective, residual)
+@pytest.mark.parametrize("residual", ["yes", "no", "mixed"])
+def test_chunk_pass_equals_separate_calls(objective, residual):
+    """Targets M(v), reads M(q), factors and curvature at k from one MLP call equal
+    ``mlp_apply`` / ``grad_factors`` / ``curvature_bound`` called one by one."""
+    x = _inputs(D_IN, seed=1)
+    flag: bool | torch.Tensor = residual == "yes"
+    if residual == "mixed":  # heads 0 and 2 residual, head 1 not (stacked memories)
+        flag = torch.tensor([1.0, 0.0, 1.0], dtype=DT, device=DEVICE).view(1, H, 1, 1)
+    gen = torch.Generator().manual_seed(5)
+    v, q = (torch.randn(B, H, C, D_IN, generator=gen, dtype=DT).to(DEVICE) for _ in range(2))
+    step = chunk_pass(x["w1"], x["w2"], v, x["k"], q, objective, flag)
+    target = mlp_apply(x["w1"], x["w2"], v, flag)
+    torch.testing.assert_close(step.target, target, rtol=0, atol=1e-14)
+    assert step.read is not None
+    torch.testing.assert_close(step.read, mlp_apply(x["w1"], x["w2"], q, flag), rtol=0, atol=1e-14)
+    ref = grad_factors(x["w1"], x["w2"], x["k"], target, objective, flag)
     for name in ("e", "a", "d", "pre"):
-        torch.testing.assert_close(getattr(fac, name), getattr(ref, name), rtol=0, atol=0)
-    torch.testing.assert_close(curv, curvature_bound(x["w1"], x["w2"], x["k"]), rtol=0, atol=0)
-    torch.testing.assert_close(
-        fac.pre, torch.einsum("bhmi,bhti->bhtm", x["w2"], x["k"]), rtol=0, atol=0
-    )
+        torch.testing.assert_close(
+            getattr(step.factors, name), getattr(ref, name), rtol=0, atol=1e-14
+        )
+    curvature = curvature_bound(x["w1"], x["w2"], x["k"])
+    torch.testing.assert_close(step.curvature, curvature, rtol=0, atol=1e-14)
+    assert chunk_pass(x["w1"], x["w2"], v, x["k"], None, objective, flag).read is None
 
 
 # torch.compile (inductor) builds C++ kernels on CPU: ~16 s per graph on the 2-core

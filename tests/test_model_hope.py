@@ -14,9 +14,10 @@ import hope
 from hope.bench.measure import count_host_syncs
 from hope.memory.cms import CMSLevel, naive_online_chain
 from hope.memory.fast_state import detach_state, tensor_leaves
+from hope.memory.pieces import PieceGrid
 from hope.model.hope import HopeBlock, HopeLM
 from hope.model.lm import LMState
-from hope.model.teach import piece_bounds, teach_forward, teach_signal
+from hope.model.teach import teach_forward, teach_signal
 from hope.optim.outer import build_optimizer
 from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler
@@ -235,11 +236,20 @@ def test_pass_a_teach_signal_is_the_chunk_local_gradient(variant: str) -> None:
 
 
 def test_pieces_follow_the_cms_grid() -> None:
-    assert piece_bounds(13, 4, 0) == [(0, 4), (4, 8), (8, 12), (12, 13)]
-    assert piece_bounds(7, 4, 3) == [(0, 1), (1, 5), (5, 7)]
-    assert piece_bounds(2, 4, 1) == [(0, 2)]
-    with pytest.raises(ValueError, match="pending"):
-        piece_bounds(5, 4, 4)
+    assert PieceGrid(4, 0).bounds(13) == [(0, 4), (4, 8), (8, 12), (12, 13)]
+    assert PieceGrid(4, 3).bounds(7) == [(0, 1), (1, 5), (5, 7)]
+    assert PieceGrid(4, 1).bounds(2) == [(0, 2)]
+    assert PieceGrid(1, 0).bounds(3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="offset"):
+        PieceGrid(4, 4)
+    # Conv taps: token t and t - 2 + j (window 3) share a piece; the tail never does.
+    same = PieceGrid(2, 1).same_piece(4, 3, torch.device("cpu"))
+    assert same.tolist() == [
+        [False, False, True],  # token 0 is piece 0 alone
+        [False, False, True],  # token 1 starts piece 1
+        [False, True, True],
+        [False, False, True],  # token 3 starts piece 2
+    ]
 
 
 # 4. Streaming ---------------------------------------------------------------------------
@@ -332,16 +342,17 @@ def test_no_grad_training_loss_equals_grad_one() -> None:
         torch.testing.assert_close(quiet, model.training_loss(x, y).detach(), rtol=0, atol=1e-12)
 
 
-def test_hope_needs_c1_on_the_smt_memory_grid() -> None:
+def test_exact_online_hope_needs_c1_on_the_smt_memory_grid() -> None:
     # Caught when the config is loaded, before any work starts ...
     with pytest.raises(hope.ConfigError, match=r"model\.cms_periods.*model\.smt_mem_chunk"):
-        tiny_cfg("hope", "teach_pass", "model.smt_mem_chunk=8")
+        tiny_cfg("hope", "exact_online", "model.smt_mem_chunk=8")
     # ... and by the builder for configs assembled in code.
     cfg = tiny_cfg("hope", "static", "model.smt_mem_chunk=8")
-    cfg.model.cms_mode = "teach_pass"
+    cfg.model.cms_mode = "exact_online"
     with pytest.raises(hope.ConfigError, match=r"model\.cms_periods.*model\.smt_mem_chunk"):
         hope.build_model(cfg.model)
-    hope.build_model(tiny_cfg("hope", "static", "model.smt_mem_chunk=8").model)
+    # teach_pass cuts pass A inside the SMT, so any chunk sizes work.
+    hope.build_model(tiny_cfg("hope", "teach_pass", "model.smt_mem_chunk=8").model)
 
 
 # 6. Sign: one CMS update from δ lowers the loss on the same tokens ---------------------

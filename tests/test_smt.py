@@ -77,6 +77,8 @@ def _loss(y: torch.Tensor, state: SMTState) -> torch.Tensor:
         {"smt_objective": "dot", "smt_precondition": False, "smt_momentum": 0.0},
         {"smt_adaptive_q": True, "smt_chunk": 1, "smt_mem_chunk": 4},
         {"smt_chunk": 4, "smt_mem_chunk": 4, "smt_conv_window": 0},
+        # One stacked group (every memory, scalar ones padded) with the fused read.
+        {"smt_adaptive_q": True, "smt_chunk": 3, "smt_mem_chunk": 3, "smt_objective": "dot"},
     ],
 )
 def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):

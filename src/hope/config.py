@@ -304,11 +304,11 @@ def _validate(cfg: Config) -> None:
         (m.smt_mem_chunk % m.smt_chunk == 0, "model.smt_mem_chunk must be a multiple of smt_chunk"),
         (
             m.variant != "hope"
-            or m.cms_mode == "static"
+            or m.cms_mode != "exact_online"
             or (bool(m.cms_periods) and m.cms_periods[0] % m.smt_mem_chunk == 0),
             f"model.cms_periods[0]={m.cms_periods[:1]} must be a multiple of "
-            f"model.smt_mem_chunk={m.smt_mem_chunk} for variant hope (teach pass A "
-            "streams the self-modifying Titans on the CMS grid)",
+            f"model.smt_mem_chunk={m.smt_mem_chunk} for variant hope with "
+            "cms_mode=exact_online (it streams the self-modifying Titans in C1-token calls)",
         ),
         (0.0 <= d.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
         (d.seq_len > 0, "data.seq_len must be positive"),

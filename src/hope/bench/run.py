@@ -13,9 +13,8 @@ Shapes:
   and ``bench.batch_size``;
 - ``smoke``: the predecessor's smoke shape (docs/ANCHORS.md "Speed"): dim 128,
   2 layers, 4 heads, vocab 32,000, seq 64, batch 4, CMS periods 1/4/16, Titans
-  segment 8. HOPE needs cms_periods[0] to be a multiple of smt_mem_chunk, so with
-  the predecessor's CMS periods kept exactly, both SMT chunks are 1 (the exact
-  per-token recurrence, MECHANISMS §3).
+  level period 8: both SMT chunks and the Titans chunk are 8 (the predecessor
+  updates its Titans level every 8 tokens), the CMS periods are kept exactly.
 
 Variants not registered in ``hope.VARIANTS`` and measurements that fail are
 recorded under ``skipped`` with the reason; the bench itself does not fail.
@@ -60,8 +59,8 @@ SMOKE_MODEL: dict[str, Any] = {
     "n_heads": 4,
     "vocab_size": 32_000,
     "cms_periods": [1, 4, 16],
-    "smt_chunk": 1,
-    "smt_mem_chunk": 1,
+    "smt_chunk": 8,
+    "smt_mem_chunk": 8,
     "titans_chunk": 8,
 }
 SMOKE_SEQ_LEN = 64

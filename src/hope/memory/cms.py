@@ -11,10 +11,12 @@ per-token CE (given by the caller). The per-token gradients are rank-1 and are o
 ever summed (never materialised per token):
     G_out = Σ_t δ_t h_tᵀ,   G_in = Σ_t (W_outᵀ δ_t ⊙ gelu′(z_t)) a_tᵀ.
 
-Two twins, equal given the same δ (tests, float64):
-- ``CMSLevel.teach_forward`` (parallel, ``teach_pass`` pass B): one scan over chunks
-  for the deltas Δ_n in force during chunk n (built from chunks < n only), then one
-  batched read with per-chunk weights θ0 + sg(Δ_n);
+Equal given the same δ (tests, float64):
+- ``CMSLevel.teach_forward`` (``teach_pass`` pass B), in one of two forms:
+  materialised: one scan over chunks for the deltas Δ_n in force during chunk n
+  (built from chunks < n only), then one batched read with per-chunk weights
+  θ0 + sg(Δ_n); dual (``cms_dual``, linear inner rules): the same read as
+  block-causal linear attention over earlier chunks, Δ_n never materialised;
 - ``naive_online_level`` (oracle, ``exact_online``): chunk by chunk, read with the
   current Δ, then write with that chunk's δ.
 
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hope.memory.cms_dual import dual_teach_read
 from hope.memory.fast_state import reset_state
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.model.config import ModelConfig
@@ -43,6 +46,7 @@ from hope.optim.inner import InnerRule, make_inner_rule
 
 GradPoint = Literal["chunk_start", "base"]
 CMSMode = Literal["teach_pass", "exact_online", "static"]
+ReadForm = Literal["auto", "dual", "materialized"]
 
 
 @dataclass
@@ -62,6 +66,20 @@ class LevelState:
     @property
     def pending(self) -> int:
         return self.pending_inputs.shape[1]
+
+
+@dataclass
+class ChunkLayout:
+    """A call's tokens laid out as [pending prefix | new tokens | pad] in chunks of C."""
+
+    inputs: Tensor  # [B, n, C, d]  level inputs a (detached, teach dtype)
+    teach: Tensor  # [B, n, C, d]  masked δ
+    gates: Tensor | None  # [B, n_fire] surprise gates, None when the gate is off
+    n_fire: int  # chunks written in this call (the first n_fire of the n)
+    offset: int  # pending tokens before the first new token
+    pending_inputs: Tensor  # what stays buffered after the call
+    pending_teach: Tensor
+    pending_scores: Tensor
 
 
 @dataclass
@@ -112,6 +130,7 @@ class CMSLevel(nn.Module):
         surprise_threshold: float | None = None,
         surprise_metric: str = "l2",
         init_std: float = 0.02,
+        read_form: ReadForm = "auto",
     ) -> None:
         super().__init__()
         if period < 1 or hidden < 1:
@@ -126,6 +145,13 @@ class CMSLevel(nn.Module):
         self.grad_point = grad_point
         self.surprise_threshold = surprise_threshold
         self.surprise_metric = surprise_metric
+        if read_form not in ("auto", "dual", "materialized"):
+            raise ValueError(
+                f"CMSLevel: read_form must be auto|dual|materialized, got {read_form!r}"
+            )
+        if read_form == "dual" and not rule.linear:
+            raise ValueError(f"CMSLevel: the dual read needs a linear inner rule, not {rule!r}")
+        self.read_form = read_form
         self.w_in = nn.Parameter(torch.randn(hidden, dim) * init_std)
         self.w_out = nn.Parameter(torch.randn(dim, hidden) * init_std)
 
@@ -202,23 +228,18 @@ class CMSLevel(nn.Module):
             return teach.new_zeros(teach.shape[:2])
         return token_scores(self.surprise_metric, teach, token_loss, token_entropy)
 
-    def chunk_deltas(
+    def _layout(
         self,
         x_norm: Tensor,
         teach: Tensor,
         state: LevelState,
-        *,
-        finalize: bool = False,
-        flush: bool = True,
-        teach_mask: Tensor | None = None,
-        token_loss: Tensor | None = None,
-        token_entropy: Tensor | None = None,
-    ) -> tuple[ChunkDeltas, LevelState]:
-        """Write the call's tokens: the deltas in force per chunk and the new state.
-
-        x_norm, teach δ [B, T, d] (both treated as constants); teach_mask, token_loss,
-        token_entropy [B, T]. Chunk 0 starts with the P pending tokens of ``state``.
-        """
+        finalize: bool,
+        flush: bool,
+        teach_mask: Tensor | None,
+        token_loss: Tensor | None,
+        token_entropy: Tensor | None,
+    ) -> ChunkLayout:
+        """The call's tokens after the P pending ones, padded into chunks, with gates."""
         if x_norm.shape != teach.shape:
             raise ValueError(f"inputs {tuple(x_norm.shape)} and teach {tuple(teach.shape)} differ")
         if x_norm.shape[1] < 1:
@@ -241,33 +262,70 @@ class CMSLevel(nn.Module):
 
         pad = n_read * chunk - total
         batch, dim = teach.shape[0], teach.shape[2]
-        inputs_c = F.pad(inputs_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim)
-        teach_c = F.pad(teach_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim)
         scores_c = F.pad(scores_all, (0, pad)).view(batch, n_read, chunk)
         gates = None
         if n_fire:
             last_len = chunk if n_fire == n_full else remainder
             gates = chunk_gate(scores_c[:, :n_fire], self.surprise_threshold, last_len)
-
-        with torch.no_grad():
-            deltas_in, deltas_out, final = self._scan(inputs_c, teach_c, gates, state, n_fire)
         keep = 0 if finalize else remainder
-        fired = gates.sum(dim=1).to(state.updates.dtype) if gates is not None else n_fire
-        new_state = replace(
-            final,
+        return ChunkLayout(
+            inputs=F.pad(inputs_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim),
+            teach=F.pad(teach_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim),
+            gates=gates,
+            n_fire=n_fire,
+            offset=offset,
             pending_inputs=inputs_all[:, total - keep :],
             pending_teach=teach_all[:, total - keep :],
             pending_scores=scores_all[:, total - keep :],
-            updates=state.updates + fired,
-            boundaries=state.boundaries + n_fire,
         )
+
+    @staticmethod
+    def _advance(final: LevelState, layout: ChunkLayout) -> LevelState:
+        """The state after the call: written Δ (``final``), new pending buffer, counters."""
+        n_fire = layout.n_fire
+        gates = layout.gates
+        fired = gates.sum(dim=1).to(final.updates.dtype) if gates is not None else n_fire
+        return replace(
+            final,
+            pending_inputs=layout.pending_inputs,
+            pending_teach=layout.pending_teach,
+            pending_scores=layout.pending_scores,
+            updates=final.updates + fired,
+            boundaries=final.boundaries + n_fire,
+        )
+
+    def chunk_deltas(
+        self,
+        x_norm: Tensor,
+        teach: Tensor,
+        state: LevelState,
+        *,
+        finalize: bool = False,
+        flush: bool = True,
+        teach_mask: Tensor | None = None,
+        token_loss: Tensor | None = None,
+        token_entropy: Tensor | None = None,
+    ) -> tuple[ChunkDeltas, LevelState]:
+        """Write the call's tokens: the deltas in force per chunk and the new state.
+
+        x_norm, teach δ [B, T, d] (both treated as constants); teach_mask, token_loss,
+        token_entropy [B, T]. Chunk 0 starts with the P pending tokens of ``state``.
+        """
+        layout = self._layout(
+            x_norm, teach, state, finalize, flush, teach_mask, token_loss, token_entropy
+        )
+        with torch.no_grad():
+            deltas_in, deltas_out, final = self._scan(
+                layout.inputs, layout.teach, layout.gates, state, layout.n_fire
+            )
+        n_read = layout.inputs.shape[1]
         in_force = ChunkDeltas(
             torch.stack(deltas_in[:n_read], dim=1),
             torch.stack(deltas_out[:n_read], dim=1),
-            offset,
-            chunk,
+            layout.offset,
+            self.period,
         )
-        return in_force, new_state
+        return in_force, self._advance(final, layout)
 
     def _scan(
         self,
@@ -304,12 +362,45 @@ class CMSLevel(nn.Module):
         """Only the state update of ``chunk_deltas`` (exact_online writes after a read)."""
         return self.chunk_deltas(x_norm, teach, state, **kwargs)[1]  # type: ignore[arg-type]
 
+    def uses_dual_read(self, layout: ChunkLayout) -> bool:
+        """The dual read needs a linear rule; take it when its [L, F] score matrices are
+        no larger than the materialised per-chunk weight stacks [n, h, d]."""
+        if self.read_form != "auto":
+            return self.read_form == "dual"
+        n_rows, chunk = layout.inputs.shape[1], layout.inputs.shape[2]
+        return self.rule.linear and n_rows * chunk * layout.n_fire * chunk <= (
+            n_rows * self.hidden * self.dim
+        )
+
     def teach_forward(
-        self, x_norm: Tensor, teach: Tensor, state: LevelState, **kwargs: object
+        self,
+        x_norm: Tensor,
+        teach: Tensor,
+        state: LevelState,
+        *,
+        finalize: bool = False,
+        flush: bool = True,
+        teach_mask: Tensor | None = None,
+        token_loss: Tensor | None = None,
+        token_entropy: Tensor | None = None,
     ) -> tuple[Tensor, LevelState]:
-        """Pass B of ``teach_pass``: per-chunk deltas from (x_norm, δ), then one batched read."""
-        deltas, new_state = self.chunk_deltas(x_norm, teach, state, **kwargs)  # type: ignore[arg-type]
-        return self(x_norm, chunk_deltas=deltas), new_state
+        """Pass B of ``teach_pass``: the read through θ0 + sg(Δ_n) per chunk, Δ_n built
+        from (x_norm, δ), and the written state. Two forms with the same values: the
+        dual read (``cms_dual``) or per-chunk weight stacks then one batched read."""
+        layout = self._layout(
+            x_norm, teach, state, finalize, flush, teach_mask, token_loss, token_entropy
+        )
+        if not self.uses_dual_read(layout):
+            deltas, new_state = self.chunk_deltas(
+                x_norm, teach, state, finalize=finalize, flush=flush, teach_mask=teach_mask,
+                token_loss=token_loss, token_entropy=token_entropy,
+            )  # fmt: skip
+            return self(x_norm, chunk_deltas=deltas), new_state
+        out, (d_in, d_out, m_in, m_out) = dual_teach_read(
+            self.w_in, self.w_out, self.rule, self.grad_point == "base", x_norm, layout, state
+        )
+        final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
+        return out, self._advance(final, layout)
 
 
 def _slice_opt(value: Tensor | None, start: int, stop: int) -> Tensor | None:

@@ -3,6 +3,10 @@
 y_t = sum_j w[:, j] * x_{t-(W-1)+j}: each channel mixes only its own past
 W-1 values and the current one. The last W-1 inputs are returned as the
 ``tail`` so chained calls equal one call on the concatenated sequence.
+
+With a ``PieceGrid`` (teach pass A, MECHANISMS §8.3b) the values are unchanged but a
+tap whose source token lies in another piece reads it detached, so no gradient
+crosses a piece boundary through the conv.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+
+from hope.memory.pieces import PieceGrid
 
 
 class CausalDepthwiseConv(nn.Module):
@@ -34,9 +40,21 @@ class CausalDepthwiseConv(nn.Module):
             device=self.weight.device,
         )
 
-    def forward(self, x: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, tail: Tensor, pieces: PieceGrid | None = None
+    ) -> tuple[Tensor, Tensor]:
         """x [B, T, C], tail [B, W-1, C] -> (y [B, T, C], new tail [B, W-1, C])."""
         padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
-        y = F.conv1d(padded.transpose(1, 2), self.weight.unsqueeze(1), groups=self.channels)
         new_tail = padded[:, padded.shape[1] - (self.window - 1) :]
+        if pieces is not None:
+            return self._cut_at_pieces(padded, pieces), new_tail
+        y = F.conv1d(padded.transpose(1, 2), self.weight.unsqueeze(1), groups=self.channels)
         return y.transpose(1, 2), new_tail
+
+    def _cut_at_pieces(self, padded: Tensor, pieces: PieceGrid) -> Tensor:
+        """The same y, with taps from other pieces (and from the tail) detached."""
+        length = padded.shape[1] - (self.window - 1)
+        windows = padded.unfold(1, self.window, 1)  # [B, T, C, W], tap j reads t-(W-1)+j
+        same = pieces.same_piece(length, self.window, padded.device)  # [T, W]
+        windows = torch.where(same[None, :, None, :], windows, windows.detach())
+        return torch.einsum("btcw,cw->btc", windows, self.weight.to(padded.dtype))

@@ -23,6 +23,17 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 Objective = Literal["l2", "dot"]
+# Residual-ness of a memory: a bool, or a [1, G*H, 1, 1] 0/1 scale when memories with
+# and without the skip are stacked along the head axis (SMT's one-group chunk step).
+Residual = bool | Tensor
+
+
+def add_residual(out: Tensor, z: Tensor, residual: Residual) -> Tensor:
+    """out + z where the memory is residual (d_out = d_in there)."""
+    if isinstance(residual, Tensor):
+        return out + residual.to(z.dtype) * z
+    return out + z if residual else out
+
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -72,10 +83,10 @@ def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
     return torch.einsum("bhmi,bhti->bhtm", w2, z)
 
 
-def mlp_apply(w1: Tensor, w2: Tensor, z: Tensor, residual: bool) -> Tensor:
+def mlp_apply(w1: Tensor, w2: Tensor, z: Tensor, residual: Residual) -> Tensor:
     """M(z) = [z +] W1 gelu(W2 z), batched over [B, H, T]; -> [B, H, T, d_out]."""
     out = torch.einsum("bhom,bhtm->bhto", w1, F.gelu(mlp_hidden(w2, z)))
-    return out + z if residual else out
+    return add_residual(out, z, residual)
 
 
 def inner_loss(
@@ -103,12 +114,18 @@ def _hidden(w2: Tensor, k: Tensor) -> _Hidden:
 
 
 def _factors(
-    w1: Tensor, k: Tensor, target: Tensor, hid: _Hidden, objective: Objective, residual: bool
+    w1: Tensor,
+    k: Tensor,
+    target: Tensor,
+    hid: _Hidden,
+    objective: Objective,
+    residual: Residual,
+    pred: Tensor | None = None,
 ) -> GradFactors:
+    """``pred`` = M(k) when the caller already has it (it equals the recomputation)."""
     if objective == "l2":
-        pred = torch.einsum("bhom,bhtm->bhto", w1, hid.act)
-        if residual:
-            pred = pred + k
+        if pred is None:
+            pred = add_residual(torch.einsum("bhom,bhtm->bhto", w1, hid.act), k, residual)
         err = 2.0 * (pred - target)
     else:
         err = -target
@@ -124,7 +141,7 @@ def _curvature(w1: Tensor, k: Tensor, hid: _Hidden) -> Tensor:
 
 
 def grad_factors(
-    w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: bool
+    w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: Residual
 ) -> GradFactors:
     """Factors E, A, D of the inner gradient at weights (w1, w2).
 
@@ -147,12 +164,42 @@ def curvature_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
     return _curvature(w1, k, _hidden(w2, k))
 
 
-def grad_factors_and_curvature(
-    w1: Tensor, w2: Tensor, k: Tensor, target: Tensor, objective: Objective, residual: bool
-) -> tuple[GradFactors, Tensor]:
-    """``grad_factors`` and ``curvature_bound`` at the same keys, sharing W2 k and gelu."""
-    hid = _hidden(w2, k)
-    return _factors(w1, k, target, hid, objective, residual), _curvature(w1, k, hid)
+@dataclass
+class ChunkPass:
+    """One evaluation of a memory at its chunk-start weights on [v | k | q] (each C
+    tokens along T): the self-generated targets M(v), the inner-gradient factors and
+    curvature at the keys, and the reads M(q). One MLP call instead of three."""
+
+    target: Tensor  # [B, H, C, d_out]  v_hat = M(v)  (NL-arXiv eq. 84)
+    factors: GradFactors
+    curvature: Tensor  # [B, H, C]  ``curvature_bound`` at k
+    read: Tensor | None  # [B, H, C, d_out]  M(q), when queries were given
+
+
+def chunk_pass(
+    w1: Tensor,
+    w2: Tensor,
+    v: Tensor,
+    k: Tensor,
+    q: Tensor | None,
+    objective: Objective,
+    residual: Residual,
+) -> ChunkPass:
+    """``mlp_apply`` on v and q, ``grad_factors`` and ``curvature_bound`` at k, at once.
+
+    v, k, q [B, H, C, d_in]; the target is a constant of the inner loss but stays in
+    the outer graph (its only path to M_v's meta-gradient)."""
+    chunk = k.shape[2]
+    z = torch.cat([v, k] if q is None else [v, k, q], dim=2)
+    pre = mlp_hidden(w2, z)
+    act = F.gelu(pre)
+    out = add_residual(torch.einsum("bhom,bhtm->bhto", w1, act), z, residual)
+    keys = slice(chunk, 2 * chunk)
+    hid = _Hidden(pre[:, :, keys], act[:, :, keys], gelu_derivative(pre[:, :, keys]))
+    target = out[:, :, :chunk]
+    factors = _factors(w1, k, target, hid, objective, residual, pred=out[:, :, keys])
+    read = None if q is None else out[:, :, 2 * chunk :]
+    return ChunkPass(target, factors, _curvature(w1, k, hid), read)
 
 
 class MemoryInit(nn.Module):

@@ -35,10 +35,12 @@ from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
+from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import (
     FastWeights,
     MemoryInit,
-    grad_factors_and_curvature,
+    Residual,
+    chunk_pass,
     mlp_apply,
 )
 from hope.model.config import ModelConfig
@@ -73,16 +75,23 @@ class _Generated:
 class _Group:
     """Memories whose fast weights are stacked along the head axis, [B, G*H, ...].
 
-    Members share d_out and residual-ness, and each chunk's k, v, eta, alpha, so
-    one batched call serves all of them. M_mem, when present, is the last member.
+    Members share each chunk's k, v, eta, alpha, so one batched call serves all of
+    them. Stacked W1 rows are padded with zeros to the widest member: the padded
+    outputs and targets are 0, so their error is 0 and the rows stay 0 (exact).
+    M_mem, when present, is the last member.
     """
 
     names: tuple[str, ...]
-    residual: bool
+    residuals: tuple[bool, ...]  # per member: M(z) = z + W1 gelu(W2 z)?
+    outs: tuple[int, ...]  # per member d_out
 
     @property
     def key(self) -> str:
         return "+".join(self.names)
+
+    @property
+    def width(self) -> int:
+        return max(self.outs)
 
     @property
     def generators(self) -> tuple[str, ...]:
@@ -124,10 +133,18 @@ class SelfModifyingTitans(nn.Module):
             if cfg.smt_conv_window > 0
             else None
         )
-        outs = {"k": self.d_head, "v": self.d_head, "eta": 1, "alpha": 1, "mem": self.d_head}
+        outs = {"k": self.d_head, "v": self.d_head}
         if cfg.smt_adaptive_q:
             outs["q"] = self.d_head
-        self.residual = {n: d == self.d_head for n, d in outs.items()}
+        outs |= {"eta": 1, "alpha": 1, "mem": self.d_head}  # M_mem last (stacking order)
+        self._outs = outs
+        # 0/1 per memory (in this order): which ones have the residual skip.
+        self.residual_scale: Tensor
+        self.register_buffer(
+            "residual_scale",
+            torch.tensor([float(d == self.d_head) for d in outs.values()]),
+            persistent=False,
+        )
         self.inits = nn.ModuleDict(
             {
                 n: MemoryInit(cfg.n_heads, self.d_head, hidden, d, cfg.init_std)
@@ -158,23 +175,39 @@ class SelfModifyingTitans(nn.Module):
             )
         return state
 
+    def _group(self, names: tuple[str, ...]) -> _Group:
+        outs = tuple(self._outs[n] for n in names)
+        return _Group(names, tuple(d == self.d_head for d in outs), outs)
+
     def _plan(self, backend: str) -> tuple[_Group, ...]:
         """How the memories are stacked for one chunk step.
 
         The naive oracle keeps one group per memory (eq. 88 read literally). The
-        fast path stacks the residual memories written every C_o tokens (k, v,
-        adaptive q; and mem when C_m = C_o, since it is then written at the same
-        times from the same chunk) and, separately, the scalar ones (eta, alpha):
-        per chunk that is one MLP call, one factor/curvature pass and one
-        closed-form write per group instead of per memory.
+        fast path stacks every memory written every C_o tokens, scalar ones (eta,
+        alpha) included, and M_mem too when C_m = C_o (it is then written at the
+        same times from the same chunk): per chunk that is one MLP call for the
+        generation, one for targets, factors and read, and one closed-form write.
         """
         if backend == "naive":
-            return tuple(_Group((n,), self.residual[n]) for n in self.inits)
-        wide = tuple(n for n in self.inits if self.residual[n] and n != "mem")
-        scalar = tuple(n for n in self.inits if not self.residual[n])
+            return tuple(self._group((n,)) for n in self.inits)
+        every_chunk = tuple(n for n in self.inits if n != "mem")
         if self.cfg.smt_chunk == self.cfg.smt_mem_chunk:
-            return (_Group((*wide, "mem"), True), _Group(scalar, False))
-        return (_Group(wide, True), _Group(scalar, False), _Group(("mem",), True))
+            return (self._group((*every_chunk, "mem")),)
+        return (self._group(every_chunk), self._group(("mem",)))
+
+    def _residual(self, group: _Group, members: int | None = None) -> Residual:
+        """The residual flag of the first ``members`` members: a bool when they agree,
+        else a 0/1 scale over their stacked heads."""
+        names = group.names[: members or len(group.names)]
+        flags = group.residuals[: len(names)]
+        if all(flags) or not any(flags):
+            return flags[0]
+        order = tuple(self._outs)  # the buffer's order; mixed groups are runs of it
+        first = order.index(names[0])
+        if order[first : first + len(names)] != names:
+            raise RuntimeError(f"stacked memories {names} are not a run of {order}")
+        scale = self.residual_scale[first : first + len(names)]
+        return scale.repeat_interleave(self.n_heads).view(1, -1, 1, 1)
 
     def _apply_members(
         self, fast: FastWeights, group: _Group, members: tuple[str, ...], z: Tensor
@@ -184,8 +217,10 @@ class SelfModifyingTitans(nn.Module):
         w1, w2 = fast.w1, fast.w2
         if n < len(group.names):
             w1, w2 = w1[:, : n * heads], w2[:, : n * heads]
-        out = mlp_apply(w1, w2, _repeat_heads(z, n), group.residual)  # [B, n*H, C, d_out]
-        return dict(zip(members, out.split(heads, dim=1), strict=True))
+        residual = self._residual(group, n)
+        out = mlp_apply(w1, w2, _repeat_heads(z, n), residual)  # [B, n*H, C, width]
+        parts = out.split(heads, dim=1)
+        return {m: p[..., : self._outs[m]] for m, p in zip(members, parts, strict=True)}
 
     def _generate(
         self,
@@ -238,32 +273,48 @@ class SelfModifyingTitans(nn.Module):
         return eta / (1.0 + chunk * eta * curvature)
 
     def _write(
-        self, fast: FastWeights, group: _Group, gen: _Generated, backend: str
-    ) -> FastWeights:
-        """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha."""
+        self, fast: FastWeights, group: _Group, gen: _Generated, backend: str, read: bool = False
+    ) -> tuple[FastWeights, Tensor | None]:
+        """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha.
+        ``read``: also o = M_mem(q) from the same chunk-start state (read before write)."""
         n = len(group.names)
         k, v, eta, alpha = (_repeat_heads(t, n) for t in (gen.k, gen.v, gen.eta, gen.alpha))
-        # v_hat = M(v) with each member's chunk-start state (eq. 84). It is a
-        # constant of the inner gradient (the factors treat it so) but stays in
-        # the outer graph: it is M_v's only path to the loss.
-        target = mlp_apply(fast.w1, fast.w2, v, group.residual)
-        factors, curvature = grad_factors_and_curvature(
-            fast.w1, fast.w2, k, target, self.cfg.smt_objective, group.residual
-        )  # curvature differs per member, so each solves its own C x C system
-        new = dgd_write(
-            fast, k, target, self._bounded_eta(eta, curvature), alpha,
-            objective=self.cfg.smt_objective, residual=group.residual,
-            precondition=self.cfg.smt_precondition, momentum=self.cfg.smt_momentum,
-            backend=backend, factors=factors,
+        residual = self._residual(group)
+        # v_hat = M(v) with each member's chunk-start state (eq. 84): a constant of the
+        # inner gradient (the factors treat it so) but in the outer graph, M_v's only
+        # path to the loss. The curvature differs per member, so each solves its own
+        # C x C system.
+        step = chunk_pass(
+            fast.w1, fast.w2, v, k, _repeat_heads(gen.q, n) if read else None,
+            self.cfg.smt_objective, residual,
         )  # fmt: skip
-        return new.detach() if self.cfg.write_grad == "stopgrad" else new
+        new = dgd_write(
+            fast, k, step.target, self._bounded_eta(eta, step.curvature), alpha,
+            objective=self.cfg.smt_objective, residual=residual,
+            precondition=self.cfg.smt_precondition, momentum=self.cfg.smt_momentum,
+            backend=backend, factors=step.factors,
+        )  # fmt: skip
+        new = new.detach() if self.cfg.write_grad == "stopgrad" else new
+        if step.read is None:
+            return new, None
+        return new, step.read[:, (n - 1) * self.n_heads :]
 
     def forward(
-        self, x: Tensor, state: SMTState | None = None, backend: str | None = None
+        self,
+        x: Tensor,
+        state: SMTState | None = None,
+        backend: str | None = None,
+        pieces: PieceGrid | None = None,
     ) -> tuple[Tensor, SMTState]:
         """x [B, T, d] -> (y [B, T, d], new state). Never mutates parameters.
 
         ``backend="naive"`` runs every write as a token loop (test oracle).
+        ``pieces`` (teach pass A, MECHANISMS §8.3b): the same values, but no gradient
+        path crosses a piece boundary. Within a chunk a token reaches no other token
+        except through the conv (reads, targets and generation use the chunk-start
+        states), so the conv reads other pieces detached and the memories are
+        detached before a chunk whenever what they hold in graph began in an earlier
+        piece. The state passed in must already be detached.
         """
         batch, seq, dim = x.shape
         if state is None:
@@ -272,34 +323,43 @@ class SelfModifyingTitans(nn.Module):
         tail = state.conv_tail
         if self.conv is not None:
             assert tail is not None
-            x, tail = self.conv(x, tail)
+            x, tail = self.conv(x, tail, pieces)
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
         plan = self._plan(backend)
         flush = next(g for g in plan if "mem" in g.names)  # written every C_m tokens
-        stacks = {g.key: _stack(state.memories, g.names) for g in plan}
+        stacks = {g.key: _stack(state.memories, g) for g in plan}
         c_o, c_m = self.cfg.smt_chunk, self.cfg.smt_mem_chunk
         pending: list[_Generated] = []
         pending_len, chunks_done = 0, state.chunks_done
         reads = []
+        live_from = 0  # the first token whose contributions the memories hold in graph
         for start in range(0, seq, c_o):
+            if pieces is not None and pieces.piece_of(live_from) != pieces.piece_of(start):
+                stacks = {key: m.detach() for key, m in stacks.items()}
+                pending = [_detach_generated(g) for g in pending]
+                live_from = start
             gen = self._generate(stacks, heads[:, :, start : start + c_o], plan)
-            reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write
-            for group in plan:
-                if group is not flush:
-                    stacks[group.key] = self._write(stacks[group.key], group, gen, backend)
-            pending.append(gen)
-            pending_len += gen.k.shape[2]
-            if pending_len == c_m or start + c_o >= seq:
-                joined = pending[0] if len(pending) == 1 else _join(pending)
-                stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)
-                pending, pending_len = [], 0
+            if len(plan) == 1:  # one group written every chunk: the read rides on the write
+                stacks[flush.key], read = self._write(stacks[flush.key], flush, gen, backend, True)
+                reads.append(cast(Tensor, read))
+            else:
+                reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write
+                for group in plan:
+                    if group is not flush:
+                        stacks[group.key] = self._write(stacks[group.key], group, gen, backend)[0]
+                pending.append(gen)
+                pending_len += gen.k.shape[2]
+                if pending_len == c_m or start + c_o >= seq:
+                    joined = pending[0] if len(pending) == 1 else _join(pending)
+                    stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)[0]
+                    pending, pending_len = [], 0
             chunks_done += 1
             if self.cfg.write_grad == "truncated" and chunks_done % self.cfg.write_grad_window == 0:
                 stacks = {key: m.detach() for key, m in stacks.items()}
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         mems: dict[str, FastWeights] = {}
         for group in plan:
-            mems |= _unstack(stacks[group.key], group.names, self.n_heads)
+            mems |= _unstack(stacks[group.key], group, self.n_heads)
         return self.w_o(out), SMTState({n: mems[n] for n in self.inits}, tail, chunks_done)
 
 
@@ -311,23 +371,39 @@ def _join(pending: list[_Generated]) -> _Generated:
     return _Generated(*(torch.cat([getattr(g, f) for g in pending], dim=2) for f in _FIELDS))
 
 
+def _detach_generated(gen: _Generated) -> _Generated:
+    return _Generated(*(getattr(gen, f).detach() for f in _FIELDS))
+
+
 def _repeat_heads(t: Tensor, n: int) -> Tensor:
     """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
     return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
 
 
-def _stack(mems: dict[str, FastWeights], names: tuple[str, ...]) -> FastWeights:
-    """Members' states concatenated along the head axis: [B, G*H, ...]."""
-    if len(names) == 1:
-        return mems[names[0]]
-    parts = [mems[n] for n in names]
+def _stack(mems: dict[str, FastWeights], group: _Group) -> FastWeights:
+    """Members' states concatenated along the head axis: [B, G*H, ...], W1 and m1
+    padded with zero rows to the group's widest d_out."""
+    if len(group.names) == 1:
+        return mems[group.names[0]]
+    parts = [mems[n] for n in group.names]
+
+    def rows(t: Tensor) -> Tensor:
+        return F.pad(t, (0, 0, 0, group.width - t.shape[-2]))
+
     return FastWeights(
-        *(torch.cat([getattr(p, f) for p in parts], dim=1) for f in ("w1", "w2", "m1", "m2"))
+        torch.cat([rows(p.w1) for p in parts], dim=1),
+        torch.cat([p.w2 for p in parts], dim=1),
+        torch.cat([rows(p.m1) for p in parts], dim=1),
+        torch.cat([p.m2 for p in parts], dim=1),
     )
 
 
-def _unstack(fast: FastWeights, names: tuple[str, ...], n_heads: int) -> dict[str, FastWeights]:
-    if len(names) == 1:
-        return {names[0]: fast}
+def _unstack(fast: FastWeights, group: _Group, n_heads: int) -> dict[str, FastWeights]:
+    if len(group.names) == 1:
+        return {group.names[0]: fast}
     pieces = [t.split(n_heads, dim=1) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
-    return {n: FastWeights(*(p[i] for p in pieces)) for i, n in enumerate(names)}
+    out = {}
+    for i, (name, d_out) in enumerate(zip(group.names, group.outs, strict=True)):
+        w1, w2, m1, m2 = (p[i] for p in pieces)
+        out[name] = FastWeights(w1[..., :d_out, :], w2, m1[..., :d_out, :], m2)
+    return out

@@ -28,6 +28,7 @@ from torch import nn
 from hope.config import ConfigError
 from hope.memory.cms import CMS, LevelState
 from hope.memory.fast_state import detach_state
+from hope.memory.pieces import PieceGrid
 from hope.memory.smt import SelfModifyingTitans
 from hope.model.attention import CausalSelfAttention
 from hope.model.config import ModelConfig
@@ -44,6 +45,13 @@ class Mixer(Protocol):
 
     def __call__(self, x: torch.Tensor, state: Any, pos: int) -> tuple[torch.Tensor, Any]: ...
 
+    def forward_pieces(
+        self, x: torch.Tensor, state: Any, pos: int, pieces: PieceGrid
+    ) -> tuple[torch.Tensor, Any]:
+        """Pass A (MECHANISMS §8.3b): the values of ``__call__`` from a detached state,
+        with no gradient path between tokens of different pieces."""
+        ...
+
 
 class AttentionMixer(nn.Module):
     """Causal self-attention; state = KV cache (keys/values of every past token)."""
@@ -59,6 +67,16 @@ class AttentionMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: Any, pos: int) -> tuple[torch.Tensor, Any]:
         return cast(tuple[torch.Tensor, Any], self.attn(x, state, pos))
+
+    def forward_pieces(
+        self, x: torch.Tensor, state: Any, pos: int, pieces: PieceGrid
+    ) -> tuple[torch.Tensor, Any]:
+        """One call per piece, the KV cache carried detached (sg(K, V) across pieces)."""
+        outs = []
+        for start, stop in pieces.bounds(x.shape[1]):
+            y, state = self(x[:, start:stop], detach_state(state), pos + start)
+            outs.append(y)
+        return torch.cat(outs, dim=1), state
 
 
 class SMTMixer(nn.Module):
@@ -79,6 +97,12 @@ class SMTMixer(nn.Module):
     def forward(self, x: torch.Tensor, state: Any, pos: int) -> tuple[torch.Tensor, Any]:
         return cast(tuple[torch.Tensor, Any], self.smt(x, state))
 
+    def forward_pieces(
+        self, x: torch.Tensor, state: Any, pos: int, pieces: PieceGrid
+    ) -> tuple[torch.Tensor, Any]:
+        """One call; the SMT cuts its own cross-piece paths (any chunk sizes)."""
+        return cast(tuple[torch.Tensor, Any], self.smt(x, state, pieces=pieces))
+
 
 @dataclass
 class HopeBlockState:
@@ -88,7 +112,8 @@ class HopeBlockState:
     cms: list[LevelState]  # one per CMS level
     # Mixer state of teach_pass's pass A (the θ0-CMS model, detached per piece), carried
     # so that chained forward_teach calls equal one call; None: start from ``mixer``
-    # (fresh context, or after a read-path / exact_online call).
+    # (fresh context, after a read-path / exact_online call, and always in the first
+    # layer, whose pass-A input is pass B's).
     teach_mixer: Any = None
 
 
@@ -115,18 +140,16 @@ class HopeBlock(nn.Module):
         return x + out, mixer_state
 
     def mix_pieces(
-        self, x: torch.Tensor, mixer_state: Any, pos: int, bounds: list[tuple[int, int]]
+        self, x: torch.Tensor, mixer_state: Any, pos: int, pieces: PieceGrid
     ) -> tuple[torch.Tensor, Any]:
-        """Pass A mixing (MECHANISMS §8.3b): the call in pieces, the mixer state carried
-        *detached* between pieces (KV cache → sg(K, V), SMT memories and conv tail cut),
-        so no gradient path crosses a piece boundary. Values equal ``mix`` when the
-        mixer's own streaming is split-invariant at these bounds. Returns the detached
-        final state too."""
-        outs = []
-        for start, stop in bounds:
-            y, mixer_state = self.mix(x[:, start:stop], detach_state(mixer_state), pos + start)
-            outs.append(y)
-        return torch.cat(outs, dim=1), detach_state(mixer_state)
+        """Pass A mixing (MECHANISMS §8.3b): the values of ``mix`` from the detached
+        state (KV cache → sg(K, V), SMT memories and conv tail cut) with no gradient
+        path across a piece boundary. Returns the detached final state too."""
+        mixer = cast(Mixer, self.mixer)
+        out, mixer_state = mixer.forward_pieces(
+            self.mixer_norm(x), detach_state(mixer_state), pos, pieces
+        )
+        return x + out, detach_state(mixer_state)
 
     def forward(
         self, x: torch.Tensor, state: HopeBlockState, pos: int
@@ -187,10 +210,10 @@ def build_hope_attention(cfg: ModelConfig) -> LanguageModel:
 
 @register_variant("hope")
 def build_hope(cfg: ModelConfig) -> LanguageModel:
-    # Pass A streams the call in C1-token pieces; the streamed SMT equals the one-call
-    # SMT (and exact_online's SMT equals the read path's) only if C1 is a multiple of C_m.
+    # exact_online streams the call in C1-token calls; the streamed SMT equals the
+    # one-call SMT (the read path's) only if C1 is a multiple of C_m.
     c1 = cfg.cms_periods[0] if cfg.cms_periods else 0
-    if cfg.cms_mode != "static" and (c1 < 1 or c1 % cfg.smt_mem_chunk != 0):
+    if cfg.cms_mode == "exact_online" and (c1 < 1 or c1 % cfg.smt_mem_chunk != 0):
         raise ConfigError(
             f"model.cms_periods[0]={c1} must be a multiple of model.smt_mem_chunk="
             f"{cfg.smt_mem_chunk} for variant 'hope' with cms_mode={cfg.cms_mode!r} "

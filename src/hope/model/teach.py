@@ -6,20 +6,26 @@ fp64 model). The teach granularity is C1, the finest CMS period; every coarser p
 is a multiple of it, so every level boundary lies on the C1 grid.
 
 ``teach_pass`` (MECHANISMS §8.3b), two passes:
-  Pass A: the call in C1 pieces (aligned to the CMS grid, i.e. after the P pending
-    tokens of the state), each mixer's state carried *detached* between pieces, CMS
-    reading θ0 (the context-start Δ = 0) without writing; δ = autograd.grad(Σ CE, taps) only,
-    so no meta-parameter ``.grad`` is touched. No path crosses a piece boundary, so δ
-    of piece m depends only on targets of piece m (≤ the first token of piece m+1) and
-    Δ_n (built from pieces < n) depends only on tokens ≤ n·C1: exactly causal.
+  Pass A: the θ0-CMS model (CMS reading θ0, the context-start Δ = 0, never writing)
+    over the call cut into C1 pieces (aligned to the CMS grid, i.e. after the P pending
+    tokens of the state): each mixer runs ``forward_pieces`` from its detached state,
+    the same values as one call but no gradient path between pieces (attention: one
+    call per piece over sg(K, V) of earlier pieces; SMT: one call that detaches its
+    conv taps and memories where they would cross a piece, so the SMT chunk sizes
+    need not divide C1). δ = autograd.grad(Σ CE, taps) only, so no meta-parameter
+    ``.grad`` is touched. δ of piece m depends only on targets of piece m (≤ the
+    first token of piece m+1) and Δ_n (built from pieces < n) only on tokens ≤ n·C1:
+    exactly causal.
   Pass B: one full forward; each layer's CMS runs ``teach_forward`` with its δ
     (per-chunk θ0 + sg(Δ_n) in one batched read). Its logits and state are returned.
   Approximation (as in Titans mini-batch GD): δ comes from θ0, not the online Δ.
-  Pass A is thus a model of its own (the θ0-CMS model); its mixer states are carried
-  across calls in ``HopeBlockState.teach_mixer``, so chained calls split on the C1
-  grid equal one call exactly (pass A never depends on where calls split).
+  Pass A is thus a model of its own (the θ0-CMS model); its mixer states (from the
+  second layer on) are carried across calls in ``HopeBlockState.teach_mixer``, so
+  chained calls split on the C1 grid (and, for SMT, on its C_m grid: it flushes a
+  partial chunk at every call end) equal one call exactly.
 
-``exact_online`` (the oracle, MECHANISMS §8.3a): per piece, forward with the carried
+``exact_online`` (the oracle, MECHANISMS §8.3a; SMT needs C1 on its C_m grid, since
+every piece is a call of its own): per piece, forward with the carried
 states (mixer state not detached, so meta gradients flow as in one call), read with
 the current Δ, δ = autograd.grad(piece loss, this piece's taps), then write.
 """
@@ -35,24 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hope.memory.fast_state import detach_state
+from hope.memory.pieces import PieceGrid
 from hope.model.lm import LMState
 
 if TYPE_CHECKING:
     from hope.model.hope import HopeLM
 
 IGNORE_INDEX = -100
-
-
-def piece_bounds(length: int, piece: int, pending: int) -> list[tuple[int, int]]:
-    """[start, stop) of the call's pieces on the C1 grid; the first piece completes the
-    ``pending`` tokens already buffered by the state (static ints, no device sync)."""
-    if not 0 <= pending < piece:
-        raise ValueError(f"pending tokens {pending} must be in [0, {piece})")
-    bounds, start, stop = [], 0, min(length, piece - pending)
-    while start < length:
-        bounds.append((start, stop))
-        start, stop = stop, min(length, stop + piece)
-    return bounds
 
 
 def _teach_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,7 +76,9 @@ class TeachSignal:
     """Pass-A output: per layer, per CMS level δ [B, T, d]; optional surprise inputs."""
 
     deltas: list[list[Tensor]]
-    mixer_states: list[Any]  # per layer: pass A's detached mixer state after the call
+    # per layer: pass A's detached mixer state after the call; None for the first layer,
+    # whose pass-A state is pass B's (the same input, so the same values)
+    mixer_states: list[Any]
     token_loss: Tensor | None = None  # [B, T], only when the surprise metric needs it
     token_entropy: Tensor | None = None  # [B, T]
 
@@ -101,32 +98,46 @@ def _surprise_inputs(
     return loss, entropy
 
 
-def teach_signal(model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState) -> TeachSignal:
+def teach_signal(
+    model: HopeLM,
+    tokens: Tensor,
+    targets: Tensor,
+    state: LMState,
+    first_mixed: Tensor | None = None,
+) -> TeachSignal:
     """Pass A of ``teach_pass``: chunk-local δ for every CMS level of every layer.
 
     Layer-major (each layer over the whole call, its mixer in detached pieces) equals
     piece-major, because nothing flows from a later layer back to an earlier one.
+    The first layer's mixer lies upstream of every tap and sees the same embedding in
+    both passes, so pass A needs only its values: pass B's (``first_mixed``) when
+    given, else one call without a graph. Its pass-A state is pass B's (None below).
     """
-    pending = state.blocks[0].cms[0].pending
-    bounds = piece_bounds(tokens.shape[1], model.piece, pending)
+    pieces = PieceGrid(model.piece, state.blocks[0].cms[0].pending)
+    blocks = model.hope_blocks()
+    if first_mixed is None:
+        with torch.no_grad():
+            first_mixed, _ = blocks[0].mix(model.embed(tokens), state.blocks[0].mixer, state.pos)
     with torch.enable_grad():
-        # A leaf that requires grad: taps stay differentiable even if θ is frozen;
-        # the embedding's own gradient is not needed for δ.
-        x = model.embed(tokens).detach().requires_grad_(True)
+        # A leaf that requires grad: taps stay differentiable even if θ is frozen.
+        x = first_mixed.detach().requires_grad_(True)
         outputs: list[Tensor] = []
-        mixer_states = []
-        for block, block_state in zip(model.hope_blocks(), state.blocks, strict=True):
-            start_state = block_state.teach_mixer
-            if start_state is None:
-                start_state = block_state.mixer
-            x, mixer_state = block.mix_pieces(x, start_state, state.pos, bounds)
-            mixer_states.append(mixer_state)
+        mixer_states: list[Any] = []
+        for i, (block, block_state) in enumerate(zip(blocks, state.blocks, strict=True)):
+            if i > 0:
+                start_state = block_state.teach_mixer
+                if start_state is None:
+                    start_state = block_state.mixer
+                x, mixer_state = block.mix_pieces(x, start_state, state.pos, pieces)
+                mixer_states.append(mixer_state)
+            else:
+                mixer_states.append(None)
             x, taps = block.cms.read(x)  # θ0, no writes
             outputs.extend(tap.output for tap in taps)
         logits = model.logits(x)
         losses = token_ce(logits, targets)  # [B, T]
         grads = torch.autograd.grad(losses.sum(), outputs)
-    n_levels = len(model.hope_blocks()[0].cms.levels)
+    n_levels = len(blocks[0].cms.levels)
     flat = [g.to(_teach_dtype(g.dtype)) for g in grads]
     deltas = [flat[i : i + n_levels] for i in range(0, len(flat), n_levels)]
     loss, entropy = _surprise_inputs(model, logits, losses)
@@ -134,16 +145,24 @@ def teach_signal(model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState)
 
 
 def teach_forward(
-    model: HopeLM, tokens: Tensor, signal: TeachSignal, state: LMState
+    model: HopeLM,
+    tokens: Tensor,
+    signal: TeachSignal,
+    state: LMState,
+    first: tuple[Tensor, Any] | None = None,
 ) -> tuple[Tensor, LMState]:
     """Pass B: one full forward; CMS level ℓ of each layer reads θ0 + sg(Δ_n) per chunk,
-    with Δ_n built from this pass's inputs and the given δ (``CMS.teach_forward``)."""
+    with Δ_n built from this pass's inputs and the given δ (``CMS.teach_forward``).
+    ``first``: the first layer's (mixed x, mixer state), already computed."""
     x = model.embed(tokens)  # [B, T, d]
     new_states = []
-    for block, block_state, teaches, teach_mixer in zip(
-        model.hope_blocks(), state.blocks, signal.deltas, signal.mixer_states, strict=True
+    for i, (block, block_state, teaches, teach_mixer) in enumerate(
+        zip(model.hope_blocks(), state.blocks, signal.deltas, signal.mixer_states, strict=True)
     ):
-        x, mixer_state = block.mix(x, block_state.mixer, state.pos)
+        if i == 0 and first is not None:
+            x, mixer_state = first
+        else:
+            x, mixer_state = block.mix(x, block_state.mixer, state.pos)
         x, cms_state = block.cms.teach_forward(
             x, teaches, block_state.cms, **signal.surprise_kwargs()
         )
@@ -158,8 +177,11 @@ def teach_forward(
 def teach_pass_forward(
     model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState
 ) -> tuple[Tensor, LMState]:
-    """``teach_pass`` mode: pass A (δ) then pass B (logits, state)."""
-    return teach_forward(model, tokens, teach_signal(model, tokens, targets, state), state)
+    """``teach_pass`` mode: pass B's first mixing, pass A (δ), then the rest of pass B."""
+    block, block_state = model.hope_blocks()[0], state.blocks[0]
+    first = block.mix(model.embed(tokens), block_state.mixer, state.pos)
+    signal = teach_signal(model, tokens, targets, state, first_mixed=first[0])
+    return teach_forward(model, tokens, signal, state, first=first)
 
 
 def exact_online_forward(
@@ -175,9 +197,9 @@ def exact_online_forward(
     blocks = model.hope_blocks()
     mixers = [s.mixer for s in state.blocks]
     levels = [s.cms for s in state.blocks]
-    pending = levels[0][0].pending
+    pieces = PieceGrid(model.piece, levels[0][0].pending)
     piece_logits = []
-    for start, stop in piece_bounds(tokens.shape[1], model.piece, pending):
+    for start, stop in pieces.bounds(tokens.shape[1]):
         with torch.enable_grad():
             x = model.embed(tokens[:, start:stop])
             if not x.requires_grad:  # frozen θ: the taps still need a graph for δ

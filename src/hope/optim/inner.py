@@ -60,6 +60,9 @@ class InnerRule(ABC):
 
     uses_momentum: bool = False
     uses_inputs: bool = False
+    # Elementwise and linear in (Δ, m, G) with scalar coefficients: Δ_n is a scalar
+    # combination of Δ_0, m_0 and the chunk gradients (the CMS dual read relies on it).
+    linear: bool = False
 
     @abstractmethod
     def _update(
@@ -96,6 +99,8 @@ class InnerRule(ABC):
 class GDRule(InnerRule):
     """Plain GD with retention (NL eq. 31): Δ ← αΔ − η G."""
 
+    linear = True
+
     def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
         return self.retention * delta - self.lr * grad, momentum
 
@@ -104,6 +109,7 @@ class MomentumRule(InnerRule):
     """Momentum as a memory of gradients (NL §2.3): m ← βm − ηG; Δ ← αΔ + m."""
 
     uses_momentum = True
+    linear = True
 
     def __init__(self, lr: float, retention: float = 1.0, beta: float = 0.9) -> None:
         super().__init__(lr, retention)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
-from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, grad_factors
+from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, Residual, grad_factors
 
 Backend = Literal["torch", "naive", "fla", "compile"]
 BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile")
@@ -108,7 +108,7 @@ def dgd_write(
     alpha: Tensor,
     *,
     objective: Objective,
-    residual: bool,
+    residual: Residual,
     precondition: bool,
     momentum: float,
     backend: str | None = None,
@@ -123,6 +123,8 @@ def dgd_write(
     """
     name = resolve_backend(backend)
     if name == "naive":
+        if not isinstance(residual, bool):
+            raise ValueError("the naive backend writes one memory per call (residual: bool)")
         g1, g2 = naive_inner_grads(fast.w1, fast.w2, k, target, objective, residual)
         out = naive_dgd_update(
             fast.w1, fast.w2, fast.m1, fast.m2, k, g1, g2, eta, alpha, precondition, momentum

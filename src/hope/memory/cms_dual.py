@@ -1,0 +1,195 @@
+"""Dual (block-causal linear-attention) form of a CMS level's pass B (MECHANISMS §8.3b).
+
+For an inner rule that is linear in (Δ, m, G) with scalar coefficients (plain GD with
+retention, momentum; NL eq. 31), the delta in force during chunk n is
+
+    Δ_n = c_n⁰ Δ_0 + c_n¹ m_0 + Σ_{i<n} c_n^(i) G_i,     G_i = Σ_{t∈i} u_t a_tᵀ,
+
+with scalar coefficients c that depend only on the rule and the surprise gates. A read
+through Δ_n never needs Δ_n itself:
+
+    a_s Δ_nᵀ = c_n⁰ a_s Δ_0ᵀ + c_n¹ a_s m_0ᵀ + Σ_{t in chunks < n} c_n^(i(t)) (a_s·a_t) u_t,
+
+i.e. block-causal linear attention over the earlier chunks (queries a_s, keys a_t,
+values u_t). For W_in the values are u_t = (W_outᵀ-side back-signal) and for W_out
+they are δ_t with keys the hidden activations. This replaces the per-chunk weight
+stacks [B, n, h, d] of the materialised twin (``CMSLevel.chunk_deltas``) by [B, T, T]
+score matrices and a short scan of small matmuls (one ``baddbmm`` per factor per
+chunk), with exactly the same values and gradients (tests, float64).
+
+The chunk-start factors (NL eq. 31, ``grad_point="chunk_start"``) are still sequential
+over chunks: chunk j's hidden layer and back-signal use Δ_j, which needs the factors
+of chunks < j. With ``grad_point="base"`` they come from θ0 in one batched op.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hope.optim.inner import InnerRule
+
+if TYPE_CHECKING:
+    from hope.memory.cms import ChunkLayout, LevelState
+
+# Sources of Δ_n: 0 = carried Δ_0, 1 = carried momentum m_0, 2 + i = chunk i's G_i.
+_CARRIED = 2
+
+
+def linear_coefficients(
+    rule: InnerRule,
+    gates: Tensor | None,
+    n_fire: int,
+    n_rows: int,
+    batch: int,
+    like: Tensor,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Coefficients of Δ_n over the sources, by running the rule on one-hot gradients.
+
+    Returns rows [B, n_rows, S] (Δ_n for n < n_rows), and the final Δ and momentum
+    coefficients [B, S] after the n_fire updates (momentum None for a rule without it).
+    Valid because the rule's update is elementwise and linear (``rule.linear``).
+    """
+    sources = _CARRIED + n_fire
+    delta = like.new_zeros(batch, sources)
+    delta[:, 0] = 1.0
+    momentum = None
+    if rule.uses_momentum:
+        momentum = like.new_zeros(batch, sources)
+        momentum[:, 1] = 1.0
+    one_hot = torch.eye(sources, dtype=like.dtype, device=like.device)[_CARRIED:]
+    rows = [delta]
+    for j in range(n_fire):
+        gate = None if gates is None else gates[:, j]
+        delta, momentum = rule.step(delta, momentum, one_hot[j].expand(batch, sources), gate=gate)
+        rows.append(delta)
+    return torch.stack(rows[:n_rows], dim=1), delta, momentum
+
+
+def _carried(
+    z: Tensor, delta0: Tensor, mom0: Tensor | None, c_delta: Tensor, c_mom: Tensor
+) -> Tensor:
+    """Σ over carried sources of c(token) · z Wᵀ; z [B, L, I], W [B, O, I] -> [B, L, O]."""
+    out = c_delta[..., None] * (z @ delta0.detach().transpose(-1, -2).to(z.dtype))
+    if mom0 is not None:
+        out = out + c_mom[..., None] * (z @ mom0.detach().transpose(-1, -2).to(z.dtype))
+    return out
+
+
+def _scan_factors(
+    w_in: Tensor,
+    w_out: Tensor,
+    layout: ChunkLayout,
+    state: LevelState,
+    token_coef: Tensor,
+    carried: tuple[Tensor, Tensor],
+    at_base: bool,
+) -> tuple[Tensor, Tensor]:
+    """Hidden activations h_t and back-signals u_t = (δ_t W_out') ⊙ gelu'(z_t) of the
+    fired chunks [B, F, h], at each chunk's start weights (or θ0 when ``at_base``)."""
+    batch, _, chunk, dim = layout.inputs.shape
+    fired = layout.n_fire * chunk
+    inputs = layout.inputs.reshape(batch, -1, dim)
+    teach = layout.teach.reshape(batch, -1, dim)
+    if at_base:
+        pre = inputs[:, :fired] @ w_in.t()
+        return F.gelu(pre), torch.ops.aten.gelu_backward(teach[:, :fired] @ w_out, pre)
+    c_delta, c_mom = carried
+    pre_0 = inputs @ w_in.t() + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
+    # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
+    out_t0 = state.delta_out.transpose(-1, -2)
+    mom_t0 = None if state.mom_out is None else state.mom_out.transpose(-1, -2)
+    back_0 = teach @ w_out + _carried(teach, out_t0, mom_t0, c_delta, c_mom)
+    key_scores = (inputs @ inputs[:, :fired].transpose(1, 2)) * token_coef
+    teach_scores = (teach @ teach[:, :fired].transpose(1, 2)) * token_coef
+    hidden = inputs.new_zeros(batch, fired, w_in.shape[0])
+    back = torch.zeros_like(hidden)
+    for j in range(layout.n_fire):
+        rows = slice(j * chunk, (j + 1) * chunk)
+        pre = torch.baddbmm(pre_0[:, rows], key_scores[:, rows], back)
+        hidden[:, rows] = F.gelu(pre)
+        signal = torch.baddbmm(back_0[:, rows], teach_scores[:, rows], hidden)
+        back[:, rows] = torch.ops.aten.gelu_backward(signal, pre)
+    return hidden, back
+
+
+def dual_teach_read(
+    w_in: Tensor,
+    w_out: Tensor,
+    rule: InnerRule,
+    at_base: bool,
+    x_norm: Tensor,
+    layout: ChunkLayout,
+    state: LevelState,
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor | None, Tensor | None]]:
+    """Pass-B read y [B, T, d] of the call tokens through θ0 + sg(Δ_n), and the written
+    (Δ_in, Δ_out, m_in, m_out) after the call. Same values as the materialised twin."""
+    batch, n_rows, chunk, dim = layout.inputs.shape
+    fired = layout.n_fire * chunk
+    coef = layout.inputs
+    with torch.no_grad():
+        rows, final_d, final_m = linear_coefficients(
+            rule, layout.gates, layout.n_fire, n_rows, batch, coef
+        )
+        per_token = rows.repeat_interleave(chunk, dim=1)  # [B, L, S]
+        token_coef = per_token[..., _CARRIED:].repeat_interleave(chunk, dim=2)  # [B, L, F]
+        carried = (per_token[..., 0], per_token[..., 1])
+        w_in0, w_out0 = w_in.detach().to(coef.dtype), w_out.detach().to(coef.dtype)
+        hidden, back = _scan_factors(w_in0, w_out0, layout, state, token_coef, carried, at_base)
+        inputs = layout.inputs.reshape(batch, -1, dim)[:, :fired]
+        teach = layout.teach.reshape(batch, -1, dim)[:, :fired]
+        new_state = _final_state(state, final_d, final_m, inputs, teach, hidden, back, chunk)
+
+    queries = slice(layout.offset, layout.offset + x_norm.shape[1])
+    dtype = x_norm.dtype
+    q_coef = token_coef[:, queries].to(dtype)
+    q_delta, q_mom = (c[:, queries].to(dtype) for c in carried)
+    pre = x_norm @ w_in.t().to(dtype)
+    pre = pre + _carried(x_norm, state.delta_in, state.mom_in, q_delta, q_mom)
+    pre = pre + ((x_norm @ inputs.transpose(1, 2).to(dtype)) * q_coef) @ back.to(dtype)
+    act = F.gelu(pre)
+    out = act @ w_out.t().to(dtype)
+    out = out + _carried(act, state.delta_out, state.mom_out, q_delta, q_mom)
+    out = out + ((act @ hidden.transpose(1, 2).to(dtype)) * q_coef) @ teach.to(dtype)
+    return out, new_state
+
+
+def _final_state(
+    state: LevelState,
+    final_d: Tensor,
+    final_m: Tensor | None,
+    inputs: Tensor,
+    teach: Tensor,
+    hidden: Tensor,
+    back: Tensor,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Δ and m after the call from their source coefficients: carried terms plus
+    Σ_t c_(i(t)) u_t a_tᵀ (W_in) and Σ_t c_(i(t)) δ_t h_tᵀ (W_out)."""
+
+    def combine(coef: Tensor, delta0: Tensor, mom0: Tensor | None, g: Tensor) -> Tensor:
+        out = coef[:, 0, None, None] * delta0 + g
+        return out if mom0 is None else out + coef[:, 1, None, None] * mom0
+
+    def written(coef: Tensor) -> tuple[Tensor, Tensor]:
+        per_token = coef[:, _CARRIED:].repeat_interleave(chunk, dim=1)[..., None]  # [B, F, 1]
+        g_in = back.transpose(1, 2) @ (per_token * inputs)  # [B, h, d]
+        g_out = (per_token * teach).transpose(1, 2) @ hidden  # [B, d, h]
+        return g_in, g_out
+
+    g_in, g_out = written(final_d)
+    delta_in = combine(final_d, state.delta_in, state.mom_in, g_in)
+    delta_out = combine(final_d, state.delta_out, state.mom_out, g_out)
+    if final_m is None:
+        return delta_in, delta_out, None, None
+    m_in, m_out = written(final_m)
+    assert state.mom_in is not None and state.mom_out is not None
+    return (
+        delta_in,
+        delta_out,
+        combine(final_m, state.delta_in, state.mom_in, m_in),
+        combine(final_m, state.delta_out, state.mom_out, m_out),
+    )

@@ -1,0 +1,100 @@
+"""The dual CMS read (hope.memory.cms_dual) equals the materialised per-chunk read:
+outputs, meta-gradients and written state, float64 (MECHANISMS §8.3b "dual form")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hope.memory.cms import CMSLevel
+from hope.memory.fast_state import tensor_leaves
+from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
+
+F64 = torch.float64
+DIM, HIDDEN = 5, 7
+
+LINEAR_RULES = {
+    "gd": lambda: GDRule(0.2),
+    "gd_retention": lambda: GDRule(0.2, retention=0.9),
+    "momentum": lambda: MomentumRule(0.1, retention=0.95, beta=0.8),
+}
+
+
+def rand(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def level_pair(period: int, rule: InnerRule, **kw: object) -> tuple[CMSLevel, CMSLevel]:
+    levels = []
+    for form in ("dual", "materialized"):
+        torch.manual_seed(0)
+        level = CMSLevel(DIM, HIDDEN, period, rule, init_std=0.4, read_form=form, **kw)  # type: ignore[arg-type]
+        levels.append(level.to(F64))
+    return levels[0], levels[1]
+
+
+def run(level: CMSLevel, x: torch.Tensor, teach: torch.Tensor, prefix: int, **kw: object):  # type: ignore[no-untyped-def]
+    """Two calls: ``prefix`` tokens (carried Δ, momentum, pending buffer), then x."""
+    state = level.init_state(2, dtype=F64)
+    if prefix:
+        _, state = level.teach_forward(
+            rand(2, prefix, DIM, seed=7), rand(2, prefix, DIM, seed=8), state
+        )
+    x = x.clone().requires_grad_(True)
+    y, new_state = level.teach_forward(x, teach, state, **kw)  # type: ignore[arg-type]
+    probe = rand(*y.shape, seed=9)
+    grads = torch.autograd.grad((y * probe).sum(), [x, level.w_in, level.w_out])
+    return y, grads, new_state
+
+
+def assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
+    y, grads, state = a
+    y_ref, grads_ref, state_ref = b
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-12)
+    assert state.pending == state_ref.pending and state.boundaries == state_ref.boundaries
+    leaves, leaves_ref = tensor_leaves(state), tensor_leaves(state_ref)
+    assert len(leaves) == len(leaves_ref)
+    for leaf, leaf_ref in zip(leaves, leaves_ref, strict=True):
+        torch.testing.assert_close(leaf, leaf_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("grad_point", ("chunk_start", "base"))
+@pytest.mark.parametrize("prefix", (0, 2))
+@pytest.mark.parametrize("period", (1, 3))
+@pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
+def test_dual_read_equals_materialised_read(
+    rule: str, period: int, prefix: int, grad_point: str
+) -> None:
+    dual, ref = level_pair(period, LINEAR_RULES[rule](), grad_point=grad_point)
+    x, teach = rand(2, 13, DIM), rand(2, 13, DIM, seed=2)
+    out = run(dual, x, teach, prefix % period)
+    assert_same(out, run(ref, x, teach, prefix % period))
+    # The writes are visible: the read differs from the θ0 MLP after the first chunk.
+    assert (out[0] - dual(x)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("finalize", (False, True))
+def test_dual_read_with_surprise_gates_and_flush(finalize: bool) -> None:
+    dual, ref = level_pair(3, MomentumRule(0.1, retention=0.9, beta=0.5), surprise_threshold=1.2)
+    x, teach = rand(2, 11, DIM), rand(2, 11, DIM, seed=2)
+    teach[0, 3:6] *= 0.01  # one closed gate in sample 0
+    out = run(dual, x, teach, 1, finalize=finalize)
+    assert_same(out, run(ref, x, teach, 1, finalize=finalize))
+    assert out[2].pending == (0 if finalize else (1 + 11) % 3)
+    assert out[2].updates[0] < out[2].updates[1]  # the gate did close for sample 0
+
+
+def test_auto_read_form_follows_rule_and_size() -> None:
+    auto = CMSLevel(DIM, HIDDEN, 1, GDRule(0.1))
+    layout = auto._layout(rand(1, 4, DIM), rand(1, 4, DIM), auto.init_state(1, dtype=F64),
+                          False, True, None, None, None)  # fmt: skip
+    assert auto.uses_dual_read(layout)  # L·F = 16 <= n·h·d = 140
+    long = auto._layout(rand(1, 40, DIM), rand(1, 40, DIM), auto.init_state(1, dtype=F64),
+                        False, True, None, None, None)  # fmt: skip
+    assert not auto.uses_dual_read(long)  # 1600 > 1400
+    erase = CMSLevel(DIM, HIDDEN, 1, DGDRule(0.1, erase=0.01))
+    assert not erase.uses_dual_read(layout)
+    with pytest.raises(ValueError, match="linear inner rule"):
+        CMSLevel(DIM, HIDDEN, 1, DGDRule(0.1, erase=0.01), read_form="dual")
