@@ -16,7 +16,7 @@ from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.fast_state import tensor_leaves
 from hope.memory.pieces import PieceGrid
 from hope.model.hope import HopeLM
-from hope.model.teach import teach_signal
+from hope.model.teach import IGNORE_INDEX, head_signal, teach_signal, token_ce, token_entropy
 
 VOCAB = 64
 T = 16
@@ -168,3 +168,23 @@ def test_coarse_smt_forward_teach_is_causal_and_trains() -> None:
     model.training_loss(x, y).backward()
     dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().max() == 0]
     assert dead == []
+
+
+@pytest.mark.parametrize("metric", ("loss", "entropy"))
+def test_head_signal_equals_autograd_of_the_summed_ce(metric: str) -> None:
+    model = coarse_model(f"model.surprise_metric={metric}", "model.surprise_threshold=0.5")
+    normed = torch.randn(2, 5, 16, dtype=F64, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    targets[1, 2] = IGNORE_INDEX  # no loss, no teach signal
+    head = head_signal(model, normed, targets)
+    logits = F.linear(normed, model.embed.weight)
+    losses = token_ce(logits, targets)
+    (want,) = torch.autograd.grad(losses.sum(), normed)
+    torch.testing.assert_close(head.grad, want, rtol=0, atol=1e-12)
+    assert head.grad[1, 2].abs().max() == 0
+    if metric == "loss":
+        assert head.token_loss is not None and head.token_entropy is None
+        torch.testing.assert_close(head.token_loss, losses.detach(), rtol=0, atol=1e-12)
+    else:
+        assert head.token_entropy is not None and head.token_loss is None
+        torch.testing.assert_close(head.token_entropy, token_entropy(logits), rtol=0, atol=1e-12)

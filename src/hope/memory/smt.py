@@ -227,11 +227,25 @@ class SelfModifyingTitans(nn.Module):
         stacks: dict[str, FastWeights],
         xc: Tensor,
         plan: tuple[_Group, ...] | None = None,
+        writes_need_grad: bool = True,
     ) -> _Generated:
         """Eq. 83 with the chunk-start states. ``stacks`` maps each group's key to
-        its stacked state; the default (per-memory) plan takes the memories dict."""
+        its stacked state; the default (per-memory) plan takes the memories dict.
+        ``writes_need_grad=False``: k, v, eta, alpha feed only writes whose graph is
+        not needed (pass A), so they are made without one; q keeps its graph."""
+        grad = torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad and (writes_need_grad or self.w_q is None)):
+            gen = self._generate_values(stacks, xc, plan or self._plan("naive"))
+        if self.w_q is not None:  # the fixed query map, with the caller's grad mode
+            gen.q = F.normalize(torch.einsum("bhti,hio->bhto", xc, self.w_q), dim=-1)
+        return gen
+
+    def _generate_values(
+        self, stacks: dict[str, FastWeights], xc: Tensor, plan: tuple[_Group, ...]
+    ) -> _Generated:
+        """k, v, eta, alpha (and q when adaptive; else a placeholder set by the caller)."""
         raw: dict[str, Tensor] = {}
-        for group in plan or self._plan("naive"):
+        for group in plan:
             if group.generators:
                 raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
         k = F.normalize(raw["k"], dim=-1)
@@ -242,10 +256,7 @@ class SelfModifyingTitans(nn.Module):
         # like k (a deviation; docs/FAITHFULNESS.md) keeps the targets' inputs on the
         # unit sphere.
         v = F.normalize(raw["v"], dim=-1)
-        if self.w_q is None:
-            q = F.normalize(raw["q"], dim=-1)
-        else:
-            q = F.normalize(torch.einsum("bhti,hio->bhto", xc, self.w_q), dim=-1)
+        q = F.normalize(raw["q"], dim=-1) if self.w_q is None else k
         eta = self.cfg.smt_eta_scale * F.softplus(raw["eta"].squeeze(-1))
         alpha_logit = raw["alpha"].squeeze(-1)
         alpha = torch.sigmoid(alpha_logit + self.alpha_bias[:, None])
@@ -338,21 +349,38 @@ class SelfModifyingTitans(nn.Module):
                 stacks = {key: m.detach() for key, m in stacks.items()}
                 pending = [_detach_generated(g) for g in pending]
                 live_from = start
-            gen = self._generate(stacks, heads[:, :, start : start + c_o], plan)
-            if len(plan) == 1:  # one group written every chunk: the read rides on the write
-                stacks[flush.key], read = self._write(stacks[flush.key], flush, gen, backend, True)
-                reads.append(cast(Tensor, read))
-            else:
+            stop = start + c_o
+            # In pass A a write whose result is cut before anything reads it needs no
+            # graph: only the read path (conv, q, M_mem at the cut state) carries δ.
+            keep = pieces is None or (
+                stop < seq and pieces.piece_of(live_from) == pieces.piece_of(stop)
+            )
+            gen = self._generate(stacks, heads[:, :, start:stop], plan, keep)
+            fused = c_o == c_m and keep  # the read rides on M_mem's write
+            if not fused:
                 reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write
-                for group in plan:
-                    if group is not flush:
-                        stacks[group.key] = self._write(stacks[group.key], group, gen, backend)[0]
-                pending.append(gen)
-                pending_len += gen.k.shape[2]
-                if pending_len == c_m or start + c_o >= seq:
-                    joined = pending[0] if len(pending) == 1 else _join(pending)
-                    stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)[0]
-                    pending, pending_len = [], 0
+            with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
+                if c_o == c_m:  # every group written every chunk
+                    for group in plan:
+                        stacks[group.key], read = self._write(
+                            stacks[group.key], group, gen, backend, fused and group is flush
+                        )
+                        if read is not None:
+                            reads.append(read)
+                else:
+                    for group in plan:
+                        if group is not flush:
+                            stacks[group.key] = self._write(stacks[group.key], group, gen, backend)[
+                                0
+                            ]
+                    pending.append(gen)
+                    pending_len += gen.k.shape[2]
+                    if pending_len == c_m or stop >= seq:
+                        joined = pending[0] if len(pending) == 1 else _join(pending)
+                        stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)[
+                            0
+                        ]
+                        pending, pending_len = [], 0
             chunks_done += 1
             if self.cfg.write_grad == "truncated" and chunks_done % self.cfg.write_grad_window == 0:
                 stacks = {key: m.detach() for key, m in stacks.items()}

@@ -98,6 +98,44 @@ def _surprise_inputs(
     return loss, entropy
 
 
+@dataclass
+class HeadSignal:
+    """Pass A's head, by hand: ∂(Σ_t CE_t)/∂(final-norm output) and surprise inputs."""
+
+    grad: Tensor  # [B, T, d]
+    token_loss: Tensor | None  # [B, T], when the surprise metric is "loss"
+    token_entropy: Tensor | None  # [B, T], when it is "entropy"
+
+
+def head_signal(model: HopeLM, normed: Tensor, targets: Tensor) -> HeadSignal:
+    """The summed-CE gradient at the tied head's input, (softmax(z) − onehot(y)) W.
+
+    One logits buffer [B, T, V] turned into the softmax in place; rows with target
+    -100 are zero. Equals autograd through ``token_ce`` but without its log-softmax
+    output, backward temporaries and graph over [B, T, V] (pass A's largest tensors).
+    """
+    weight = model.embed.weight
+    with torch.no_grad():
+        logits = F.linear(normed, weight)
+        work = _teach_dtype(logits.dtype)
+        logits = logits.to(work)  # fp32 (fp64 for an fp64 model), owned: edited in place
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, T, 1]
+        valid = targets != IGNORE_INDEX
+        index = targets.clamp_min(0).unsqueeze(-1)
+        loss = entropy = None
+        if model.cfg.surprise_threshold is not None:
+            metric = model.cfg.surprise_metric
+            if metric == "loss":
+                loss = (lse - logits.gather(-1, index)).squeeze(-1) * valid
+            elif metric == "entropy":
+                entropy = token_entropy(logits)
+        probs = logits.sub_(lse).exp_()  # softmax, in place
+        probs.scatter_add_(-1, index, torch.full_like(index, -1.0, dtype=work))
+        probs.mul_(valid.unsqueeze(-1).to(work))
+        grad = (probs.to(weight.dtype) @ weight).to(normed.dtype)
+    return HeadSignal(grad, loss, entropy)
+
+
 def teach_signal(
     model: HopeLM,
     tokens: Tensor,
@@ -134,14 +172,13 @@ def teach_signal(
                 mixer_states.append(None)
             x, taps = block.cms.read(x)  # θ0, no writes
             outputs.extend(tap.output for tap in taps)
-        logits = model.logits(x)
-        losses = token_ce(logits, targets)  # [B, T]
-        grads = torch.autograd.grad(losses.sum(), outputs)
+        normed = model.norm(x)
+        head = head_signal(model, normed, targets)
+        grads = torch.autograd.grad(normed, outputs, grad_outputs=head.grad)
     n_levels = len(blocks[0].cms.levels)
     flat = [g.to(_teach_dtype(g.dtype)) for g in grads]
     deltas = [flat[i : i + n_levels] for i in range(0, len(flat), n_levels)]
-    loss, entropy = _surprise_inputs(model, logits, losses)
-    return TeachSignal(deltas, mixer_states, loss, entropy)
+    return TeachSignal(deltas, mixer_states, head.token_loss, head.token_entropy)
 
 
 def teach_forward(
