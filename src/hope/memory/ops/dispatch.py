@@ -7,7 +7,8 @@ Backends:
   per-token gradients; the test oracle.
 - ``"fla"``: flash-linear-attention's ``chunk_gated_delta_rule`` supplies the
   W2 delta-rule part of a preconditioned DGD write (MECHANISMS §8.1 note);
-  imported lazily, so the package never needs it. Untested here (CPU only).
+  imported lazily, so the package never needs it; its parity test
+  (tests/test_memory_fla.py) runs where CUDA and ``fla`` are present.
 - ``"compile"``: the ``"torch"`` closed forms wrapped in ``torch.compile``
   (fuses the many small ops of a chunk update); compiled lazily on first use,
   never the default.
