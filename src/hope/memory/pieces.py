@@ -39,6 +39,10 @@ class PieceGrid:
             start = stop
         return bounds
 
+    def piece_ids(self, index: Tensor) -> Tensor:
+        """Piece of each call token index (tensor form of ``piece_of``)."""
+        return torch.div(index + self.offset, self.size, rounding_mode="floor")
+
     def same_piece(self, length: int, lags: int, device: torch.device) -> Tensor:
         """[length, lags] bool: token t and token t - (lags-1) + j share a piece.
 
@@ -47,6 +51,4 @@ class PieceGrid:
         """
         t = torch.arange(length, device=device)[:, None]
         source = t - (lags - 1) + torch.arange(lags, device=device)[None, :]
-        piece = torch.div(t + self.offset, self.size, rounding_mode="floor")
-        source_piece = torch.div(source + self.offset, self.size, rounding_mode="floor")
-        return (source >= 0) & (source_piece == piece)
+        return (source >= 0) & (self.piece_ids(source) == self.piece_ids(t))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hope.memory.pieces import PieceGrid
 from hope.model.layers import RMSNorm, apply_rotary, rotary_tables
 
 
@@ -48,9 +49,13 @@ class CausalSelfAttention(nn.Module):
         return KVCache(k=empty, v=empty.clone())
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None, pos: int
+        self, x: torch.Tensor, cache: KVCache | None, pos: int, pieces: PieceGrid | None = None
     ) -> tuple[torch.Tensor, KVCache]:
-        """x [B, T, d] at absolute positions pos..pos+T-1 -> (y [B, T, d], cache incl. x)."""
+        """x [B, T, d] at absolute positions pos..pos+T-1 -> (y [B, T, d], cache incl. x).
+
+        ``pieces`` (teach pass A, MECHANISMS §8.3b): the same values, but keys and values
+        of another piece (or of the detached cache) are read through sg(K, V).
+        """
         batch, length, dim = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
@@ -59,7 +64,12 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rotary_tables(self.head_dim, pos, length, self.rope_base, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         past = 0 if cache is None else cache.k.shape[2]
-        if past > 0 and cache is not None:
+        if pieces is not None:
+            if cache is not None and past > 0:
+                k = torch.cat((cache.k.to(k.dtype), k), dim=2)
+                v = torch.cat((cache.v.to(v.dtype), v), dim=2)
+            y = _attend_within_pieces(q, k, v, past, pieces)
+        elif past > 0 and cache is not None:
             k = torch.cat((cache.k.to(k.dtype), k), dim=2)  # [B, H, past+T, D]
             v = torch.cat((cache.v.to(v.dtype), v), dim=2)
             # Query i (absolute past+i) sees keys 0..past+i; a static mask, no host sync.
@@ -71,3 +81,23 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, length, dim)
         return self.out(y), KVCache(k=k, v=v)
+
+
+def _attend_within_pieces(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, pieces: PieceGrid
+) -> torch.Tensor:
+    """Causal attention whose scores and values use sg(K), sg(V) for keys outside the
+    query's piece: exactly the values of plain attention, gradients to K and V only
+    from queries of the same piece. q [B, H, T, D]; k, v [B, H, past+T, D]."""
+    length, total = q.shape[2], k.shape[2]
+    query = torch.arange(length, device=q.device)
+    key = torch.arange(total, device=q.device) - past  # call index; < 0: earlier calls
+    causal = key[None, :] <= query[:, None]  # [T, past+T]
+    same = causal & (key[None, :] >= 0)
+    same = same & (pieces.piece_ids(key)[None, :] == pieces.piece_ids(query)[:, None])
+    scale = q.shape[-1] ** -0.5
+    scores = torch.where(same, q @ k.transpose(-1, -2), q @ k.detach().transpose(-1, -2))
+    scores = (scores * scale).masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+    return torch.where(same, probs, zero) @ v + torch.where(same, zero, probs) @ v.detach()
