@@ -13,10 +13,9 @@ import torch.nn.functional as F
 
 import hope
 from hope.memory.conv import CausalDepthwiseConv
-from hope.memory.fast_state import tensor_leaves
+from hope.memory.fast_state import detach_state, tensor_leaves
 from hope.memory.pieces import PieceGrid
-from hope.model.attention import CausalSelfAttention
-from hope.model.hope import HopeLM
+from hope.model.hope import AttentionMixer, HopeLM
 from hope.model.teach import IGNORE_INDEX, head_signal, teach_signal, token_ce, token_entropy
 
 VOCAB = 64
@@ -193,13 +192,14 @@ def test_head_signal_equals_autograd_of_the_summed_ce(metric: str) -> None:
 
 def test_attention_pass_a_call_keeps_values_and_cuts_other_pieces() -> None:
     torch.manual_seed(0)
-    attn = CausalSelfAttention(16, 2).to(F64)
+    mixer = AttentionMixer(coarse_model().cfg).to(F64)
     x = torch.randn(1, 7, 16, dtype=F64, requires_grad=True)
-    cache = attn.init_state(1, torch.device("cpu"), F64)
-    _, cache = attn(torch.randn(1, 3, 16, dtype=F64), cache, 0)  # a detached past
+    cache = mixer.init_state(1, torch.device("cpu"))
+    _, cache = mixer(torch.randn(1, 3, 16, dtype=F64), cache, 0)  # a past, then detached
+    cache = detach_state(cache)
     grid = PieceGrid(3, 1)  # call pieces: {0, 1}, {2, 3, 4}, {5, 6}
-    plain, plain_cache = attn(x, cache, 3)
-    cut, cut_cache = attn(x, cache, 3, grid)
+    plain, plain_cache = mixer(x, cache, 3)
+    cut, cut_cache = mixer.forward_pieces(x, cache, 3, grid)
     torch.testing.assert_close(cut, plain, rtol=0, atol=1e-13)
     torch.testing.assert_close(cut_cache.k, plain_cache.k, rtol=0, atol=0)
     for t in range(7):

@@ -48,15 +48,11 @@ class CausalSelfAttention(nn.Module):
         empty = torch.zeros(batch_size, self.n_heads, 0, self.head_dim, device=device, dtype=dtype)
         return KVCache(k=empty, v=empty.clone())
 
-    def forward(
-        self, x: torch.Tensor, cache: KVCache | None, pos: int, pieces: PieceGrid | None = None
-    ) -> tuple[torch.Tensor, KVCache]:
-        """x [B, T, d] at absolute positions pos..pos+T-1 -> (y [B, T, d], cache incl. x).
-
-        ``pieces`` (teach pass A, MECHANISMS §8.3b): the same values, but keys and values
-        of another piece (or of the detached cache) are read through sg(K, V).
-        """
-        batch, length, dim = x.shape
+    def project(
+        self, x: torch.Tensor, cache: KVCache | None, pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """q [B, H, T, D] and k, v [B, H, past+T, D] (cache first), rotated; past."""
+        batch, length, _ = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
         if self.q_norm is not None and self.k_norm is not None:
@@ -64,26 +60,33 @@ class CausalSelfAttention(nn.Module):
         cos, sin = rotary_tables(self.head_dim, pos, length, self.rope_base, x.device, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         past = 0 if cache is None else cache.k.shape[2]
-        if pieces is not None:
-            if cache is not None and past > 0:
-                k = torch.cat((cache.k.to(k.dtype), k), dim=2)
-                v = torch.cat((cache.v.to(v.dtype), v), dim=2)
-            y = _attend_within_pieces(q, k, v, past, pieces)
-        elif past > 0 and cache is not None:
+        if past > 0 and cache is not None:
             k = torch.cat((cache.k.to(k.dtype), k), dim=2)  # [B, H, past+T, D]
             v = torch.cat((cache.v.to(v.dtype), v), dim=2)
+        return q, k, v, past
+
+    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B, H, T, D] -> output projection of the merged heads [B, T, d]."""
+        batch, _, length, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(batch, length, self.n_heads * self.head_dim))
+
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None, pos: int
+    ) -> tuple[torch.Tensor, KVCache]:
+        """x [B, T, d] at absolute positions pos..pos+T-1 -> (y [B, T, d], cache incl. x)."""
+        q, k, v, past = self.project(x, cache, pos)
+        if past > 0:
             # Query i (absolute past+i) sees keys 0..past+i; a static mask, no host sync.
-            key_pos = torch.arange(past + length, device=x.device)
-            query_pos = torch.arange(past, past + length, device=x.device)
+            key_pos = torch.arange(k.shape[2], device=x.device)
+            query_pos = torch.arange(past, k.shape[2], device=x.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [T, past+T]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, length, dim)
-        return self.out(y), KVCache(k=k, v=v)
+        return self.merge_heads(y), KVCache(k=k, v=v)
 
 
-def _attend_within_pieces(
+def attend_within_pieces(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, pieces: PieceGrid
 ) -> torch.Tensor:
     """Causal attention whose scores and values use sg(K), sg(V) for keys outside the

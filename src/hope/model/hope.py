@@ -30,7 +30,7 @@ from hope.memory.cms import CMS, LevelState
 from hope.memory.fast_state import detach_state
 from hope.memory.pieces import PieceGrid
 from hope.memory.smt import SelfModifyingTitans
-from hope.model.attention import CausalSelfAttention
+from hope.model.attention import CausalSelfAttention, KVCache, attend_within_pieces
 from hope.model.config import ModelConfig
 from hope.model.layers import RMSNorm
 from hope.model.lm import LanguageModel, LMState
@@ -71,8 +71,11 @@ class AttentionMixer(nn.Module):
     def forward_pieces(
         self, x: torch.Tensor, state: Any, pos: int, pieces: PieceGrid
     ) -> tuple[torch.Tensor, Any]:
-        """One call reading sg(K, V) across pieces (values of one plain call)."""
-        return cast(tuple[torch.Tensor, Any], self.attn(x, state, pos, pieces))
+        """One call reading sg(K, V) outside each query's piece (values of one plain
+        call); the cache passed in is detached."""
+        q, k, v, past = self.attn.project(x, state, pos)
+        y = attend_within_pieces(q, k, v, past, pieces)
+        return self.attn.merge_heads(y), KVCache(k=k, v=v)
 
 
 class SMTMixer(nn.Module):
