@@ -80,12 +80,12 @@ def gelu_derivative(z: Tensor) -> Tensor:
 
 def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
     """Pre-activation W2 z: w2 [B, H, h_m, d_in], z [B, H, T, d_in] -> [B, H, T, h_m]."""
-    return torch.einsum("bhmi,bhti->bhtm", w2, z)
+    return z @ w2.transpose(-1, -2)
 
 
 def mlp_apply(w1: Tensor, w2: Tensor, z: Tensor, residual: Residual) -> Tensor:
     """M(z) = [z +] W1 gelu(W2 z), batched over [B, H, T]; -> [B, H, T, d_out]."""
-    out = torch.einsum("bhom,bhtm->bhto", w1, F.gelu(mlp_hidden(w2, z)))
+    out = F.gelu(mlp_hidden(w2, z)) @ w1.transpose(-1, -2)
     return add_residual(out, z, residual)
 
 
@@ -125,18 +125,18 @@ def _factors(
     """``pred`` = M(k) when the caller already has it (it equals the recomputation)."""
     if objective == "l2":
         if pred is None:
-            pred = add_residual(torch.einsum("bhom,bhtm->bhto", w1, hid.act), k, residual)
+            pred = add_residual(hid.act @ w1.transpose(-1, -2), k, residual)
         err = 2.0 * (pred - target)
     else:
         err = -target
-    hidden_err = torch.einsum("bhom,bhto->bhtm", w1, err) * hid.slope
+    hidden_err = (err @ w1) * hid.slope
     return GradFactors(e=err, a=hid.act, d=hidden_err, pre=hid.pre)
 
 
 def _curvature(w1: Tensor, k: Tensor, hid: _Hidden) -> Tensor:
     act_sq = hid.act.pow(2).sum(-1)
     col_sq = w1.pow(2).sum(-2)  # [B, H, h_m]: squared column norms of W1
-    back_sq = torch.einsum("bhtm,bhm->bht", hid.slope.pow(2), col_sq)
+    back_sq = (hid.slope.pow(2) @ col_sq.unsqueeze(-1)).squeeze(-1)
     return act_sq + k.pow(2).sum(-1) * back_sq
 
 
@@ -193,13 +193,13 @@ def chunk_pass(
     z = torch.cat([v, k] if q is None else [v, k, q], dim=2)
     pre = mlp_hidden(w2, z)
     act = F.gelu(pre)
-    out = add_residual(torch.einsum("bhom,bhtm->bhto", w1, act), z, residual)
-    keys = slice(chunk, 2 * chunk)
-    hid = _Hidden(pre[:, :, keys], act[:, :, keys], gelu_derivative(pre[:, :, keys]))
-    target = out[:, :, :chunk]
-    factors = _factors(w1, k, target, hid, objective, residual, pred=out[:, :, keys])
-    read = None if q is None else out[:, :, 2 * chunk :]
-    return ChunkPass(target, factors, _curvature(w1, k, hid), read)
+    out = add_residual(act @ w1.transpose(-1, -2), z, residual)
+    pre_k = pre.split(chunk, dim=2)[1]
+    act_k = act.split(chunk, dim=2)[1]
+    target, pred, *read = out.split(chunk, dim=2)  # read: [M(q)] or []
+    hid = _Hidden(pre_k, act_k, gelu_derivative(pre_k))
+    factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
+    return ChunkPass(target, factors, _curvature(w1, k, hid), read[0] if read else None)
 
 
 class MemoryInit(nn.Module):

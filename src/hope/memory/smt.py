@@ -237,7 +237,7 @@ class SelfModifyingTitans(nn.Module):
         with torch.set_grad_enabled(grad and (writes_need_grad or self.w_q is None)):
             gen = self._generate_values(stacks, xc, plan or self._plan("naive"))
         if self.w_q is not None:  # the fixed query map, with the caller's grad mode
-            gen.q = F.normalize(torch.einsum("bhti,hio->bhto", xc, self.w_q), dim=-1)
+            gen.q = F.normalize(xc @ self.w_q, dim=-1)
         return gen
 
     def _generate_values(
@@ -344,7 +344,8 @@ class SelfModifyingTitans(nn.Module):
         pending_len, chunks_done = 0, state.chunks_done
         reads = []
         live_from = 0  # the first token whose contributions the memories hold in graph
-        for start in range(0, seq, c_o):
+        chunks = heads.split(c_o, dim=2)  # one split (a cheap backward), not T/C slices
+        for start, xc in zip(range(0, seq, c_o), chunks, strict=True):
             if pieces is not None and pieces.piece_of(live_from) != pieces.piece_of(start):
                 stacks = {key: m.detach() for key, m in stacks.items()}
                 pending = [_detach_generated(g) for g in pending]
@@ -355,7 +356,7 @@ class SelfModifyingTitans(nn.Module):
             keep = pieces is None or (
                 stop < seq and pieces.piece_of(live_from) == pieces.piece_of(stop)
             )
-            gen = self._generate(stacks, heads[:, :, start:stop], plan, keep)
+            gen = self._generate(stacks, xc, plan, keep)
             fused = c_o == c_m and keep  # the read rides on M_mem's write
             if not fused:
                 reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write

@@ -77,10 +77,10 @@ def chunk_dgd_update(
         # r_t + eta_t sum_{s<t} M_ts r_s = u_t - eta_t gamma_{t-1} S_0 k_t, with
         # M_ts = (gamma_{t-1}/gamma_s) k_s.k_t. Solve the driven (u) and the
         # homogeneous (S_0) right-hand sides together: [B, H, C, 2M].
-        gram = torch.einsum("bhti,bhsi->bhts", k, k)
+        gram = k @ k.transpose(-1, -2)
         eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
         lower = eye + eta.unsqueeze(-1) * prev_over_s * gram  # [B, H, C, C]
-        s0k = torch.einsum("bhmi,bhti->bhtm", w2, k) if w2k is None else w2k  # [B, H, C, M]
+        s0k = k @ w2.transpose(-1, -2) if w2k is None else w2k  # [B, H, C, M]
         hom_rhs = -(eta * gamma_prev).unsqueeze(-1) * s0k
         rhs = torch.cat([u, hom_rhs], dim=-1)
         # Invert the C x C system once, then multiply: batched trsm cost grows with
@@ -90,17 +90,16 @@ def chunk_dgd_update(
             lower, eye.expand_as(lower), upper=False, unitriangular=True
         )
         r = inverse @ rhs
-        r_drive, r_hom = r.split(u.shape[-1], dim=-1)
-        # S_C = gamma_C S_0 + R^T diag(gamma_C/gamma_s) K
+        # S_C = gamma_C S_0 + R^T diag(gamma_C/gamma_s) K, both right-hand sides at once
         weighted_k = end_over_s.unsqueeze(-1) * k  # [B, H, C, I]
-        hom2 = gamma_end[..., None, None] * w2 + torch.einsum("bhtm,bhti->bhmi", r_hom, weighted_k)
-        inc2 = torch.einsum("bhtm,bhti->bhmi", r_drive, weighted_k)
+        inc2, hom_inc = (r.transpose(-1, -2) @ weighted_k).split(u.shape[-1], dim=-2)
+        hom2 = gamma_end[..., None, None] * w2 + hom_inc
     else:
         hom2 = gamma_end[..., None, None] * w2
-        inc2 = torch.einsum("bhtm,bhti->bhmi", end_over_s.unsqueeze(-1) * u, k)
+        inc2 = (end_over_s.unsqueeze(-1) * u).transpose(-1, -2) @ k
     # W1_C = gamma_C W1_0 - E^T diag(eta_s gamma_C/gamma_s) A (cf. Ti eqs. 16-17)
     hom1 = gamma_end[..., None, None] * w1
-    inc1 = -torch.einsum("bhto,bhtm->bhom", (eta * end_over_s).unsqueeze(-1) * e, a)
+    inc1 = -(((eta * end_over_s).unsqueeze(-1) * e).transpose(-1, -2) @ a)
     m1_new = momentum * m1 + inc1 if momentum else inc1
     m2_new = momentum * m2 + inc2 if momentum else inc2
     return hom1 + m1_new, hom2 + m2_new, m1_new, m2_new
@@ -145,8 +144,8 @@ def chunk_momentum_update(
     a_end = torch.exp(log_a[..., -1])[..., None, None]
 
     def grad_sum(weight: Tensor) -> tuple[Tensor, Tensor]:
-        g1 = torch.einsum("bhto,bhtm->bhom", weight.unsqueeze(-1) * e, a)
-        g2 = torch.einsum("bhtm,bhti->bhmi", weight.unsqueeze(-1) * d, k)
+        g1 = (weight.unsqueeze(-1) * e).transpose(-1, -2) @ a
+        g2 = (weight.unsqueeze(-1) * d).transpose(-1, -2) @ k
         return g1, g2
 
     gw1, gw2 = grad_sum(weight_w)
