@@ -314,6 +314,12 @@ class CMSLevel(nn.Module):
         layout = self._layout(
             x_norm, teach, state, finalize, flush, teach_mask, token_loss, token_entropy
         )
+        return self._materialised(layout, state)
+
+    def _materialised(
+        self, layout: ChunkLayout, state: LevelState
+    ) -> tuple[ChunkDeltas, LevelState]:
+        """The per-chunk weight stacks of a laid-out call, and the new state."""
         with torch.no_grad():
             deltas_in, deltas_out, final = self._scan(
                 layout.inputs, layout.teach, layout.gates, state, layout.n_fire
@@ -391,10 +397,7 @@ class CMSLevel(nn.Module):
             x_norm, teach, state, finalize, flush, teach_mask, token_loss, token_entropy
         )
         if not self.uses_dual_read(layout):
-            deltas, new_state = self.chunk_deltas(
-                x_norm, teach, state, finalize=finalize, flush=flush, teach_mask=teach_mask,
-                token_loss=token_loss, token_entropy=token_entropy,
-            )  # fmt: skip
+            deltas, new_state = self._materialised(layout, state)
             return self(x_norm, chunk_deltas=deltas), new_state
         out, (d_in, d_out, m_in, m_out) = dual_teach_read(
             self.w_in, self.w_out, self.rule, self.grad_point == "base", x_norm, layout, state

@@ -233,34 +233,24 @@ class SelfModifyingTitans(nn.Module):
         its stacked state; the default (per-memory) plan takes the memories dict.
         ``writes_need_grad=False``: k, v, eta, alpha feed only writes whose graph is
         not needed (pass A), so they are made without one; q keeps its graph."""
-        grad = torch.is_grad_enabled()
-        with torch.set_grad_enabled(grad and (writes_need_grad or self.w_q is None)):
-            gen = self._generate_values(stacks, xc, plan or self._plan("naive"))
-        if self.w_q is not None:  # the fixed query map, with the caller's grad mode
-            gen.q = F.normalize(xc @ self.w_q, dim=-1)
-        return gen
-
-    def _generate_values(
-        self, stacks: dict[str, FastWeights], xc: Tensor, plan: tuple[_Group, ...]
-    ) -> _Generated:
-        """k, v, eta, alpha (and q when adaptive; else a placeholder set by the caller)."""
-        raw: dict[str, Tensor] = {}
-        for group in plan:
-            if group.generators:
-                raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
-        k = F.normalize(raw["k"], dim=-1)
-        # v is only ever the input of the self-generated targets v_hat = M(v) (eq. 84).
-        # Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's gain
-        # raises v and with it every target (targets 5 -> 228 -> 3e8 within one
-        # 128-token context after ~100 outer steps of the tiny preset). Normalising v
-        # like k (a deviation; docs/FAITHFULNESS.md) keeps the targets' inputs on the
-        # unit sphere.
-        v = F.normalize(raw["v"], dim=-1)
-        q = F.normalize(raw["q"], dim=-1) if self.w_q is None else k
-        eta = self.cfg.smt_eta_scale * F.softplus(raw["eta"].squeeze(-1))
-        alpha_logit = raw["alpha"].squeeze(-1)
-        alpha = torch.sigmoid(alpha_logit + self.alpha_bias[:, None])
-        return _Generated(k, v, q, eta, alpha)
+        adaptive_q = self.w_q is None
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (writes_need_grad or adaptive_q)):
+            raw: dict[str, Tensor] = {}
+            for group in plan or self._plan("naive"):
+                if group.generators:
+                    raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
+            k = F.normalize(raw["k"], dim=-1)
+            # v is only ever the input of the self-generated targets v_hat = M(v) (eq.
+            # 84). Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's
+            # gain raises v and with it every target (targets 5 -> 228 -> 3e8 within
+            # one 128-token context after ~100 outer steps of the tiny preset).
+            # Normalising v like k (a deviation; docs/FAITHFULNESS.md) keeps the
+            # targets' inputs on the unit sphere.
+            v = F.normalize(raw["v"], dim=-1)
+            eta = self.cfg.smt_eta_scale * F.softplus(raw["eta"].squeeze(-1))
+            alpha = torch.sigmoid(raw["alpha"].squeeze(-1) + self.alpha_bias[:, None])
+        query = raw["q"] if self.w_q is None else xc @ self.w_q
+        return _Generated(k, v, F.normalize(query, dim=-1), eta, alpha)
 
     def _read(self, fast: FastWeights, group: _Group, q: Tensor) -> Tensor:
         """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
@@ -310,6 +300,26 @@ class SelfModifyingTitans(nn.Module):
             return new, None
         return new, step.read[:, (n - 1) * self.n_heads :]
 
+    def _write_all(
+        self,
+        stacks: dict[str, FastWeights],
+        plan: tuple[_Group, ...],
+        flush: _Group,
+        gen: _Generated,
+        backend: str,
+        keep: bool,
+    ) -> Tensor:
+        """C_o = C_m: write every group (in place in ``stacks``) and return the chunk's
+        read o = M_mem(q) at the chunk-start state. With the graph kept, the read rides
+        on M_mem's write (one MLP call); else it is made apart, with its graph."""
+        read = None if keep else self._read(stacks[flush.key], flush, gen.q)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
+            for group in plan:
+                fused = keep and group is flush
+                stacks[group.key], out = self._write(stacks[group.key], group, gen, backend, fused)
+                read = out if fused else read
+        return cast(Tensor, read)
+
     def forward(
         self,
         x: Tensor,
@@ -357,31 +367,26 @@ class SelfModifyingTitans(nn.Module):
                 stop < seq and pieces.piece_of(live_from) == pieces.piece_of(stop)
             )
             gen = self._generate(stacks, xc, plan, keep)
-            fused = c_o == c_m and keep  # the read rides on M_mem's write
-            if not fused:
+            if c_o == c_m:  # every group written every chunk
+                reads.append(self._write_all(stacks, plan, flush, gen, backend, keep))
+            else:
                 reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write
-            with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
-                if c_o == c_m:  # every group written every chunk
-                    for group in plan:
-                        stacks[group.key], read = self._write(
-                            stacks[group.key], group, gen, backend, fused and group is flush
-                        )
-                        if read is not None:
-                            reads.append(read)
-                else:
+                pending.append(gen)
+                pending_len += gen.k.shape[2]
+                flush_now = pending_len == c_m or stop >= seq
+                with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
                     for group in plan:
                         if group is not flush:
                             stacks[group.key] = self._write(stacks[group.key], group, gen, backend)[
                                 0
                             ]
-                    pending.append(gen)
-                    pending_len += gen.k.shape[2]
-                    if pending_len == c_m or stop >= seq:
+                    if flush_now:  # M_mem: the C_o chunks since its last write as one
                         joined = pending[0] if len(pending) == 1 else _join(pending)
                         stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)[
                             0
                         ]
-                        pending, pending_len = [], 0
+                if flush_now:
+                    pending, pending_len = [], 0
             chunks_done += 1
             if self.cfg.write_grad == "truncated" and chunks_done % self.cfg.write_grad_window == 0:
                 stacks = {key: m.detach() for key, m in stacks.items()}
