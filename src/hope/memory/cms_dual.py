@@ -129,15 +129,15 @@ def dual_teach_read(
     (Δ_in, Δ_out, m_in, m_out) after the call. Same values as the materialised twin."""
     batch, n_rows, chunk, dim = layout.inputs.shape
     fired = layout.n_fire * chunk
-    coef = layout.inputs
+    work = layout.inputs.dtype  # the scan's dtype: fp32, fp64 for an fp64 model
     with torch.no_grad():
         rows, final_d, final_m = linear_coefficients(
-            rule, layout.gates, layout.n_fire, n_rows, batch, coef
+            rule, layout.gates, layout.n_fire, n_rows, batch, layout.inputs
         )
         per_token = rows.repeat_interleave(chunk, dim=1)  # [B, L, S]
         token_coef = per_token[..., _CARRIED:].repeat_interleave(chunk, dim=2)  # [B, L, F]
         carried = (per_token[..., 0], per_token[..., 1])
-        w_in0, w_out0 = w_in.detach().to(coef.dtype), w_out.detach().to(coef.dtype)
+        w_in0, w_out0 = w_in.detach().to(work), w_out.detach().to(work)
         hidden, back = _scan_factors(w_in0, w_out0, layout, state, token_coef, carried, at_base)
         inputs = layout.inputs.reshape(batch, -1, dim)[:, :fired]
         teach = layout.teach.reshape(batch, -1, dim)[:, :fired]

@@ -88,9 +88,14 @@ class LanguageModel(nn.Module):
             new_states.append(block_state)
         return self.logits(x), LMState(new_states, state.pos + tokens.shape[1])
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head [V, d]: tied to the embedding."""
+        return self.embed.weight
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + tied head: x [B, T, d] -> logits [B, T, V]."""
-        return F.linear(self.norm(x), self.embed.weight)
+        return F.linear(self.norm(x), self.head_weight)
 
     def forward_teach(
         self, tokens: torch.Tensor, targets: torch.Tensor, state: LMState | None = None

@@ -9,11 +9,13 @@ is a multiple of it, so every level boundary lies on the C1 grid.
   Pass A: the θ0-CMS model (CMS reading θ0, the context-start Δ = 0, never writing)
     over the call cut into C1 pieces (aligned to the CMS grid, i.e. after the P pending
     tokens of the state): each mixer runs ``forward_pieces`` from its detached state,
-    the same values as one call but no gradient path between pieces (attention: one
-    call per piece over sg(K, V) of earlier pieces; SMT: one call that detaches its
-    conv taps and memories where they would cross a piece, so the SMT chunk sizes
-    need not divide C1). δ = autograd.grad(Σ CE, taps) only, so no meta-parameter
-    ``.grad`` is touched. δ of piece m depends only on targets of piece m (≤ the
+    the same values as one call but no gradient path between pieces (attention reads
+    sg(K, V) outside each query's piece; the SMT detaches its conv taps and memories
+    where they would cross a piece, so its chunk sizes need not divide C1). The first
+    layer's mixer is upstream of every tap: pass A takes pass B's values for it. The
+    head's gradient is formed by hand (``head_signal``), then δ = autograd.grad of
+    the final norm's output onto the taps only, so no meta-parameter ``.grad`` is
+    touched. δ of piece m depends only on targets of piece m (≤ the
     first token of piece m+1) and Δ_n (built from pieces < n) only on tokens ≤ n·C1:
     exactly causal.
   Pass B: one full forward; each layer's CMS runs ``teach_forward`` with its δ
@@ -114,7 +116,7 @@ def head_signal(model: HopeLM, normed: Tensor, targets: Tensor) -> HeadSignal:
     -100 are zero. Equals autograd through ``token_ce`` but without its log-softmax
     output, backward temporaries and graph over [B, T, V] (pass A's largest tensors).
     """
-    weight = model.embed.weight
+    weight = model.head_weight
     with torch.no_grad():
         logits = F.linear(normed, weight)
         work = _teach_dtype(logits.dtype)
