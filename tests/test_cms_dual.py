@@ -3,10 +3,12 @@ outputs, meta-gradients and written state, float64 (MECHANISMS §8.3b "dual form
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from hope.memory.cms import CMSLevel
+from hope.memory.cms import CMSLevel, LevelState
 from hope.memory.fast_state import tensor_leaves
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
 
@@ -24,16 +26,19 @@ def rand(*shape: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
-def level_pair(period: int, rule: InnerRule, **kw: object) -> tuple[CMSLevel, CMSLevel]:
+Run = tuple[torch.Tensor, tuple[torch.Tensor, ...], LevelState]
+
+
+def level_pair(period: int, rule: InnerRule, **kw: Any) -> tuple[CMSLevel, CMSLevel]:
     levels = []
     for form in ("dual", "materialized"):
         torch.manual_seed(0)
-        level = CMSLevel(DIM, HIDDEN, period, rule, init_std=0.4, read_form=form, **kw)  # type: ignore[arg-type]
+        level = CMSLevel(DIM, HIDDEN, period, rule, init_std=0.4, read_form=form, **kw)
         levels.append(level.to(F64))
     return levels[0], levels[1]
 
 
-def run(level: CMSLevel, x: torch.Tensor, teach: torch.Tensor, prefix: int, **kw: object):  # type: ignore[no-untyped-def]
+def run(level: CMSLevel, x: torch.Tensor, teach: torch.Tensor, prefix: int, **kw: Any) -> Run:
     """Two calls: ``prefix`` tokens (carried Δ, momentum, pending buffer), then x."""
     state = level.init_state(2, dtype=F64)
     if prefix:
@@ -41,13 +46,13 @@ def run(level: CMSLevel, x: torch.Tensor, teach: torch.Tensor, prefix: int, **kw
             rand(2, prefix, DIM, seed=7), rand(2, prefix, DIM, seed=8), state
         )
     x = x.clone().requires_grad_(True)
-    y, new_state = level.teach_forward(x, teach, state, **kw)  # type: ignore[arg-type]
+    y, new_state = level.teach_forward(x, teach, state, **kw)
     probe = rand(*y.shape, seed=9)
     grads = torch.autograd.grad((y * probe).sum(), [x, level.w_in, level.w_out])
     return y, grads, new_state
 
 
-def assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
+def assert_same(a: Run, b: Run) -> None:
     y, grads, state = a
     y_ref, grads_ref, state_ref = b
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)

@@ -90,20 +90,27 @@ def test_smt_pass_a_call_has_the_values_of_a_plain_call(size: int, offset: int) 
         assert not a.requires_grad
 
 
-def per_piece_gradient(model: HopeLM, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-    """δ by definition: for each piece, ∂(Σ CE over that piece)/∂(level outputs of that
-    piece) on the one-call θ0-CMS graph with nothing detached. With pieces aligned to
-    the SMT chunk grid (C1 divides C_o), no path between two tokens of one piece
-    crosses another piece, so this equals pass A's cut graph."""
+def uncut_theta0_graph(
+    model: HopeLM, x: torch.Tensor, y: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The one-call θ0-CMS model with nothing detached: (level outputs, per-token CE)."""
     h = model.embed(x)
-    outputs = []
+    outputs: list[torch.Tensor] = []
     state = model.init_state(x.shape[0])
     for block, block_state in zip(model.hope_blocks(), state.blocks, strict=True):
         h, _ = block.mix(h, block_state.mixer, 0)
         h, taps = block.cms.read(h)
         outputs.extend(tap.output for tap in taps)
     losses = F.cross_entropy(model.logits(h).flatten(0, 1), y.flatten(), reduction="none")
-    losses = losses.view(y.shape)
+    return outputs, losses.view(y.shape)
+
+
+def per_piece_gradient(model: HopeLM, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """δ by definition: for each piece, ∂(Σ CE over that piece)/∂(level outputs of that
+    piece) on the uncut one-call graph. With pieces aligned to the SMT chunk grid (C1
+    divides C_o), no path between two tokens of one piece crosses another piece, so
+    this equals pass A's cut graph."""
+    outputs, losses = uncut_theta0_graph(model, x, y)
     deltas = [torch.zeros_like(o) for o in outputs]
     for start in range(0, x.shape[1], C1):
         stop = min(x.shape[1], start + C1)
@@ -123,14 +130,8 @@ def test_pass_a_delta_is_the_per_piece_gradient_with_coarse_smt_chunks() -> None
         torch.testing.assert_close(delta, expected, rtol=0, atol=1e-12)
     # Later pieces do reach an earlier piece through the SMT write and the conv (the
     # leak pass A cuts): the full backward of Σ CE differs on the first piece.
-    h = model.embed(x)
-    outputs = []
-    for block in model.hope_blocks():
-        h, _ = block.mix(h, block.init_state(2, torch.device("cpu")).mixer, 0)
-        h, taps = block.cms.read(h)
-        outputs.extend(tap.output for tap in taps)
-    loss = F.cross_entropy(model.logits(h).flatten(0, 1), y.flatten(), reduction="sum")
-    leaky = torch.autograd.grad(loss, outputs)
+    outputs, losses = uncut_theta0_graph(model, x, y)
+    leaky = torch.autograd.grad(losses.sum(), outputs)
     assert (leaky[0][:, :C1] - got[0][:, :C1]).abs().max() > 1e-8
 
 
