@@ -332,6 +332,23 @@ def test_training_loss_gives_every_parameter_a_gradient(variant: str) -> None:
     assert any("smt.inits.k" in n for n, _ in model.named_parameters()) == (variant == "hope")
 
 
+def test_checkpointed_smt_training_loss_and_gradients_are_unchanged() -> None:
+    """smt_checkpoint_chunks recomputes pass B's SMT chunk steps in backward; pass A
+    (cut at pieces) runs as before. Loss and every gradient stay the same."""
+    x, y = data()
+    grads = []
+    for extra in ((), ("model.smt_checkpoint_chunks=1",)):
+        model = tiny_model("hope", "teach_pass", *extra)
+        loss = model.training_loss(x, y)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_plain, plain), (loss_ckpt, ckpt) = grads
+    torch.testing.assert_close(loss_ckpt, loss_plain, rtol=0, atol=1e-12)
+    for name, g in plain.items():
+        assert g is not None and ckpt[name] is not None, name
+        torch.testing.assert_close(ckpt[name], g, rtol=0, atol=1e-12, msg=name)
+
+
 def test_no_grad_training_loss_equals_grad_one() -> None:
     """evaluate_loss calls training_loss under no_grad: pass A enables grad locally."""
     for mode in TEACH_MODES:

@@ -192,6 +192,63 @@ def test_truncated_write_grad_windows():
     assert short is None or not short.any()
 
 
+@pytest.mark.parametrize(
+    ("span", "overrides"),
+    [
+        (1, {}),  # C_m = 2 C_o: M_mem's pending chunks cross every segment boundary
+        (2, {}),  # segments of 2 chunks end mid C_m chunk and on it
+        (4, {"smt_chunk": 4, "smt_mem_chunk": 4}),  # one stacked group, fused read
+        (2, {"write_grad": "truncated", "write_grad_window": 3}),  # cuts inside segments
+    ],
+)
+def test_checkpointed_chunk_loop_equals_the_plain_one(span, overrides):
+    """Activation checkpointing recomputes segments in backward: same outputs, final
+    state, and gradients for every parameter and the input."""
+    plain = _module(**overrides)
+    ckpt = _module(smt_checkpoint_chunks=span, **overrides)
+    ckpt.load_state_dict(plain.state_dict())
+    x = _x()
+    results = {}
+    for name, module in (("plain", plain), ("ckpt", ckpt)):
+        xg = x.clone().requires_grad_(True)
+        y, state = module(xg)
+        loss = _loss(y, state)
+        names, params = zip(*module.named_parameters(), strict=True)
+        grads = torch.autograd.grad(loss, (*params, xg), allow_unused=True)
+        results[name] = (y, state, dict(zip((*names, "input"), grads, strict=True)))
+    (y_p, s_p, g_p), (y_c, s_c, g_c) = results["plain"], results["ckpt"]
+    torch.testing.assert_close(y_c, y_p, rtol=0, atol=1e-12)
+    _assert_states_close(s_c, s_p, atol=1e-12)
+    for name, g in g_p.items():
+        assert g is not None and g_c[name] is not None, name
+        torch.testing.assert_close(g_c[name], g, rtol=0, atol=1e-12, msg=name)
+
+
+def _saved_bytes(module: SelfModifyingTitans, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward during a forward."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = module(x)
+    y.sum().backward()  # the recomputation runs (and is checked) in backward
+    return sum(storages.values())
+
+
+def test_checkpointed_chunk_loop_saves_far_fewer_activations():
+    """48 tokens in 16 C_o chunks: with segments of 4 chunks the forward saves no
+    chunk-step activations (measured 13 KB vs 1.8 MB). The segments' boundary states,
+    which the checkpoint keeps as its inputs, are outside this count."""
+    x = _x(seq=48)
+    plain = _saved_bytes(_module(), x)
+    ckpt = _saved_bytes(_module(smt_checkpoint_chunks=4), x)
+    assert ckpt < 0.1 * plain, (ckpt, plain)
+
+
 def test_chunk_at_least_sequence_gives_no_write_outputs_but_flushes():
     module = _module(smt_chunk=16, smt_mem_chunk=16)
     x = _x()
@@ -262,6 +319,8 @@ def test_retention_at_init_over_2048_tokens():
 
 
 def test_bad_chunk_config_names_the_key():
+    with pytest.raises(ValueError, match="smt_checkpoint_chunks=-1 must be >= 0"):
+        SelfModifyingTitans(_cfg(smt_checkpoint_chunks=-1))
     with pytest.raises(
         ValueError, match="smt_mem_chunk=10 must be a multiple of model.smt_chunk=4"
     ):

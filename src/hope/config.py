@@ -303,6 +303,10 @@ def _validate(cfg: Config) -> None:
         ),
         (m.smt_mem_chunk % m.smt_chunk == 0, "model.smt_mem_chunk must be a multiple of smt_chunk"),
         (
+            m.smt_checkpoint_chunks >= 0,
+            f"model.smt_checkpoint_chunks={m.smt_checkpoint_chunks} must be >= 0",
+        ),
+        (
             m.variant != "hope"
             or m.cms_mode != "exact_online"
             or (bool(m.cms_periods) and m.cms_periods[0] % m.smt_mem_chunk == 0),

@@ -32,6 +32,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
@@ -112,6 +113,10 @@ def _validate(cfg: ModelConfig) -> None:
         (cfg.smt_expansion >= 1, f"model.smt_expansion={cfg.smt_expansion} must be >= 1"),
         (cfg.smt_conv_window >= 0, f"model.smt_conv_window={cfg.smt_conv_window} must be >= 0"),
         (cfg.write_grad_window >= 1, "model.write_grad_window must be >= 1"),
+        (
+            cfg.smt_checkpoint_chunks >= 0,
+            f"model.smt_checkpoint_chunks={cfg.smt_checkpoint_chunks} must be >= 0",
+        ),
         (cfg.write_grad in ("full", "truncated", "stopgrad"), f"bad write_grad={cfg.write_grad!r}"),
         (cfg.smt_objective in ("l2", "dot"), f"bad model.smt_objective={cfg.smt_objective!r}"),
     ]
@@ -348,53 +353,104 @@ class SelfModifyingTitans(nn.Module):
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
         plan = self._plan(backend)
         flush = next(g for g in plan if "mem" in g.names)  # written every C_m tokens
-        stacks = {g.key: _stack(state.memories, g) for g in plan}
-        c_o, c_m = self.cfg.smt_chunk, self.cfg.smt_mem_chunk
-        pending: list[_Generated] = []
-        pending_len, chunks_done = 0, state.chunks_done
-        reads = []
-        live_from = 0  # the first token whose contributions the memories hold in graph
-        chunks = heads.split(c_o, dim=2)  # one split (a cheap backward), not T/C slices
-        for start, xc in zip(range(0, seq, c_o), chunks, strict=True):
-            if pieces is not None and pieces.piece_of(live_from) != pieces.piece_of(start):
-                stacks = {key: m.detach() for key, m in stacks.items()}
-                pending = [_detach_generated(g) for g in pending]
-                live_from = start
-            stop = start + c_o
-            # In pass A a write whose result is cut before anything reads it needs no
-            # graph: only the read path (conv, q, M_mem at the cut state) carries δ.
-            keep = pieces is None or (
-                stop < seq and pieces.piece_of(live_from) == pieces.piece_of(stop)
-            )
-            gen = self._generate(stacks, xc, plan, keep)
-            if c_o == c_m:  # every group written every chunk
-                reads.append(self._write_all(stacks, plan, flush, gen, backend, keep))
-            else:
-                reads.append(self._read(stacks[flush.key], flush, gen.q))  # read before write
-                pending.append(gen)
-                pending_len += gen.k.shape[2]
-                flush_now = pending_len == c_m or stop >= seq
-                with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
-                    for group in plan:
-                        if group is not flush:
-                            stacks[group.key] = self._write(stacks[group.key], group, gen, backend)[
-                                0
-                            ]
-                    if flush_now:  # M_mem: the C_o chunks since its last write as one
-                        joined = pending[0] if len(pending) == 1 else _join(pending)
-                        stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)[
-                            0
-                        ]
-                if flush_now:
-                    pending, pending_len = [], 0
-            chunks_done += 1
-            if self.cfg.write_grad == "truncated" and chunks_done % self.cfg.write_grad_window == 0:
-                stacks = {key: m.detach() for key, m in stacks.items()}
+        loop = _Loop(plan, flush, backend, seq, pieces)
+        carry = _Carry({g.key: _stack(state.memories, g) for g in plan}, [], 0, state.chunks_done)
+        c_o = self.cfg.smt_chunk
+        # One split (a cheap backward), not T/C slices.
+        chunks = list(zip(range(0, seq, c_o), heads.split(c_o, dim=2), strict=True))
+        span = self.cfg.smt_checkpoint_chunks
+        reads: list[Tensor] = []
+        if span and pieces is None and torch.is_grad_enabled():
+            # MECHANISMS §8.1: keep one state per segment boundary and recompute the
+            # segment's chunk steps in backward (same values and gradients).
+            for first in range(0, len(chunks), span):
+                carry, out = checkpoint(
+                    self._run_chunks, carry, chunks[first : first + span], loop,
+                    use_reentrant=False,
+                )  # fmt: skip
+                reads += out
+        else:
+            carry, reads = self._run_chunks(carry, chunks, loop)
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         mems: dict[str, FastWeights] = {}
         for group in plan:
-            mems |= _unstack(stacks[group.key], group, self.n_heads)
-        return self.w_o(out), SMTState({n: mems[n] for n in self.inits}, tail, chunks_done)
+            mems |= _unstack(carry.stacks[group.key], group, self.n_heads)
+        return self.w_o(out), SMTState({n: mems[n] for n in self.inits}, tail, carry.chunks_done)
+
+    def _run_chunks(
+        self, start: _Carry, chunks: list[tuple[int, Tensor]], loop: _Loop
+    ) -> tuple[_Carry, list[Tensor]]:
+        """The chunk steps of ``chunks`` ((first token, x~ [B, H, C_o, d_h]) each) from
+        ``start``, which is left as it was (a checkpointed segment reruns from it)."""
+        carry = start.copy()
+        return carry, [self._chunk_step(carry, first, xc, loop) for first, xc in chunks]
+
+    def _chunk_step(self, carry: _Carry, start: int, xc: Tensor, loop: _Loop) -> Tensor:
+        """One C_o chunk: generate (eq. 83), read (eq. 94), write (eq. 88); updates
+        ``carry`` in place and returns the read o [B, H, C_o, d_h]."""
+        pieces, plan, flush, backend = loop.pieces, loop.plan, loop.flush, loop.backend
+        if pieces is not None and pieces.piece_of(carry.live_from) != pieces.piece_of(start):
+            carry.stacks = {key: m.detach() for key, m in carry.stacks.items()}
+            carry.pending = [_detach_generated(g) for g in carry.pending]
+            carry.live_from = start
+        stop = start + xc.shape[2]
+        # In pass A a write whose result is cut before anything reads it needs no
+        # graph: only the read path (conv, q, M_mem at the cut state) carries δ.
+        keep = pieces is None or (
+            stop < loop.seq and pieces.piece_of(carry.live_from) == pieces.piece_of(stop)
+        )
+        stacks = carry.stacks
+        gen = self._generate(stacks, xc, plan, keep)
+        if self.cfg.smt_chunk == self.cfg.smt_mem_chunk:  # every group written every chunk
+            read = self._write_all(stacks, plan, flush, gen, backend, keep)
+        else:
+            read = self._read(stacks[flush.key], flush, gen.q)  # read before write
+            carry.pending.append(gen)
+            carry.pending_len += gen.k.shape[2]
+            flush_now = carry.pending_len == self.cfg.smt_mem_chunk or stop >= loop.seq
+            with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
+                for group in plan:
+                    if group is not flush:
+                        stacks[group.key] = self._write(stacks[group.key], group, gen, backend)[0]
+                if flush_now:  # M_mem: the C_o chunks since its last write as one
+                    pending = carry.pending
+                    joined = pending[0] if len(pending) == 1 else _join(pending)
+                    stacks[flush.key] = self._write(stacks[flush.key], flush, joined, backend)[0]
+            if flush_now:
+                carry.pending, carry.pending_len = [], 0
+        carry.chunks_done += 1
+        window = self.cfg.write_grad_window
+        if self.cfg.write_grad == "truncated" and carry.chunks_done % window == 0:
+            carry.stacks = {key: m.detach() for key, m in stacks.items()}
+        return read
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """What every chunk step of one forward call shares."""
+
+    plan: tuple[_Group, ...]
+    flush: _Group  # the group holding M_mem, written every C_m tokens
+    backend: str
+    seq: int
+    pieces: PieceGrid | None
+
+
+@dataclass
+class _Carry:
+    """What the chunk loop carries from one C_o chunk to the next."""
+
+    stacks: dict[str, FastWeights]  # each group's stacked state, by group key
+    pending: list[_Generated]  # C_o chunks generated since M_mem's last write
+    pending_len: int
+    chunks_done: int  # C_o chunks written so far (truncation windows)
+    live_from: int = 0  # pass A: first token whose contributions the memories hold in graph
+
+    def copy(self) -> _Carry:
+        return _Carry(
+            dict(self.stacks), list(self.pending), self.pending_len, self.chunks_done,
+            self.live_from,
+        )  # fmt: skip
 
 
 _FIELDS = ("k", "v", "q", "eta", "alpha")

@@ -62,6 +62,11 @@ class ModelConfig:
     smt_conv_window: int = 4
     write_grad: Literal["full", "truncated", "stopgrad"] = "full"
     write_grad_window: int = 4
+    # Activation checkpointing of the SMT chunk loop (MECHANISMS §8.1): keep one
+    # state per segment of this many C_o chunks and recompute the segment's steps in
+    # backward. Trades about one more SMT forward for most of its saved activations;
+    # 0 keeps every activation (fastest).
+    smt_checkpoint_chunks: int = 0
 
     # Titans (Ti §3-4): segment length, persistent tokens, sliding window.
     titans_chunk: int = 16
