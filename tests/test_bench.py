@@ -19,6 +19,7 @@ from hope.bench import flops
 from hope.bench import run as bench_run
 from hope.bench.measure import count_host_syncs
 from hope.config import Config, ConfigError, load_config
+from hope.memory.ops import dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
@@ -180,6 +181,22 @@ def test_smoke_shape_is_valid_for_every_bench_variant() -> None:
     for variant in cfg.bench.variants:
         model = hope.build_model(dataclasses.replace(shape.model, variant=variant))  # type: ignore[arg-type]
         assert model.embed.weight.shape == (32_000, 128), variant
+
+
+@pytest.mark.slow  # inductor builds C++ kernels for every chunk-step graph here
+def test_compile_memory_backend_measures_the_same_training(tmp_path: Path) -> None:
+    """bench.memory_backend=compile reaches the measuring step (via setup_runtime):
+    the compiled SMT chunk step trains to the same loss as the eager one."""
+    losses = {}
+    for backend in ("torch", "compile"):
+        cfg = small_cfg("bench.variants=[hope]", f"bench.memory_backend={backend}")
+        report = bench_run.run_bench(cfg, tmp_path / f"{backend}.json", isolate=False)
+        assert report["config"]["memory_backend"] == backend
+        assert report["tiny"]["hope"]["host_syncs_per_step"] == 0
+        losses[backend] = report["tiny"]["hope"]["loss"]
+    assert dispatch.resolve_backend(None) == "compile"
+    dispatch.set_default_backend("torch")
+    assert losses["compile"] == pytest.approx(losses["torch"], rel=1e-5)
 
 
 def test_bad_bench_knobs_name_the_key(tmp_path: Path) -> None:

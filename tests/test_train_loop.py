@@ -18,10 +18,12 @@ import torch
 
 import hope
 from hope.bench.measure import count_host_syncs
+from hope.config import TrainConfig
 from hope.data.shards import ShardedTokens
+from hope.memory.ops.dispatch import resolve_backend, set_default_backend
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
-from hope.train.device import autocast_dtype, resolve_device
+from hope.train.device import autocast_dtype, resolve_device, setup_runtime
 from hope.train.loop import STOP_AFTER_STEP_ENV, run_training, train_step
 from hope.train.schedule import build_scheduler, lr_factor
 
@@ -207,6 +209,16 @@ def test_device_and_precision_resolution() -> None:
     assert autocast_dtype(torch.device("cpu"), "auto") is None
     assert autocast_dtype(torch.device("cpu"), "bf16") == torch.bfloat16
     assert autocast_dtype(torch.device("cpu"), "fp32") is None
+
+
+def test_setup_runtime_sets_the_memory_backend() -> None:
+    try:
+        setup_runtime(TrainConfig(memory_backend="compile"), torch.device("cpu"))
+        assert resolve_backend(None) == "compile"
+        setup_runtime(TrainConfig(), torch.device("cpu"))
+        assert resolve_backend(None) == "torch"
+    finally:
+        set_default_backend("torch")
 
 
 def test_zero_steps_reports_the_initial_model(tmp_path: Path) -> None:

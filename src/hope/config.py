@@ -94,6 +94,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     num_threads: int = 0  # 0: leave torch's default
+    # Memory-write backend (hope.memory.ops.dispatch): "compile" runs the memories'
+    # chunk steps through torch.compile (same values); "fla" needs CUDA + fla.
+    memory_backend: Literal["torch", "compile", "fla"] = "torch"
     checkpoint_every: int = 100
     log_every: int = 10
     val_every: int = 50
@@ -134,6 +137,7 @@ class BenchConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     num_threads: int = 0  # 0: leave torch's default
+    memory_backend: Literal["torch", "compile", "fla"] = "torch"  # as train.memory_backend
 
 
 @dataclass

@@ -124,7 +124,10 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
     """Measure one (shape, variant) in this process; the row of ``reports/bench.json``."""
     bench = cfg.bench
     device = resolve_device(bench.device)
-    setup_runtime(TrainConfig(seed=bench.seed, num_threads=bench.num_threads), device)
+    runtime = TrainConfig(
+        seed=bench.seed, num_threads=bench.num_threads, memory_backend=bench.memory_backend
+    )
+    setup_runtime(runtime, device)
     amp_dtype = autocast_dtype(device, bench.precision)
     shape = bench_shape(cfg, shape_name)
     model_cfg = dataclasses.replace(shape.model, variant=variant)  # type: ignore[arg-type]

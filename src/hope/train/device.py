@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from hope.config import ConfigError, TrainConfig
+from hope.memory.ops.dispatch import set_default_backend
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,7 +40,9 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
 
 
 def setup_runtime(cfg: TrainConfig, device: torch.device) -> None:
-    """Threads, seeds and (on CPU) deterministic kernels, before the model is built."""
+    """Threads, seeds, the memory-write backend and (on CPU) deterministic kernels,
+    before the model is built."""
+    set_default_backend(cfg.memory_backend)
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     random.seed(cfg.seed)

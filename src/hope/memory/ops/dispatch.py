@@ -11,7 +11,8 @@ Backends:
   (tests/test_memory_fla.py) runs where CUDA and ``fla`` are present.
 - ``"compile"``: the ``"torch"`` closed forms wrapped in ``torch.compile``
   (fuses the many small ops of a chunk update); compiled lazily on first use,
-  never the default.
+  never the default. The SMT compiles its whole chunk step this way (generation,
+  the fused memory pass and the write; ``memory/smt.py``).
 
 ``set_default_backend`` overrides the default (tests, benchmarks); the
 environment variable ``HOPE_MEMORY_BACKEND`` sets it at import; modules also
@@ -23,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -62,16 +63,22 @@ def resolve_backend(name: str | None) -> Backend:
     return cast(Backend, name)
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
 @functools.cache
-def _compiled(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., tuple[Tensor, ...]]:
-    """``torch.compile(fn)``, built once per function on first use (backend 'compile')."""
-    return cast(Callable[..., tuple[Tensor, ...]], torch.compile(fn, dynamic=False))
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False)
 
 
-def _chunk_fn(
-    name: Backend, fn: Callable[..., tuple[Tensor, ...]]
-) -> Callable[..., tuple[Tensor, ...]]:
-    return _compiled(fn) if name == "compile" else fn
+def compiled(fn: _Fn) -> _Fn:
+    """``torch.compile(fn)`` with static shapes, built once per function on first use
+    (backend 'compile'). Its results equal ``fn``'s (tests/test_memory_compile.py)."""
+    return cast(_Fn, _compiled(fn))
+
+
+def _chunk_fn(name: Backend, fn: _Fn) -> _Fn:
+    return compiled(fn) if name == "compile" else fn
 
 
 def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) -> Tensor:
