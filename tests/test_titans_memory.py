@@ -61,6 +61,24 @@ def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
         torch.testing.assert_close(g, g_naive[name], rtol=0, atol=1e-10, msg=name)
 
 
+@pytest.mark.slow  # inductor builds C++ kernels on CPU: tens of seconds here
+def test_compiled_chunk_step_equals_eager():
+    """backend="compile": read, curvature, factors and write of each chunk in one
+    compiled graph; same outputs, state and gradients (a partial last chunk too)."""
+    module, x = _module(), _x()
+    runs = {}
+    for backend in ("torch", "compile"):
+        y, state = module(x, backend=backend)
+        loss = y.pow(2).sum() + sum(t.pow(2).sum() for t in _tensors(state).values())
+        runs[backend] = (y, state, _param_grads(module, loss))
+    (y_t, s_t, g_t), (y_c, s_c, g_c) = runs["torch"], runs["compile"]
+    torch.testing.assert_close(y_c, y_t, rtol=0, atol=1e-12)
+    _assert_states_close(s_c, s_t, atol=1e-12)
+    for name, g in g_t.items():
+        assert g is not None and g_c[name] is not None, name
+        torch.testing.assert_close(g_c[name], g, rtol=0, atol=1e-12, msg=name)
+
+
 def test_batch_equals_single_runs_and_streaming_equals_one_call():
     module, x = _module(), _x(batch=3)
     y, state = module(x)

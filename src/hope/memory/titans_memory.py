@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
-from hope.memory.ops.dispatch import momentum_write, resolve_backend
+from hope.memory.ops.dispatch import compiled, momentum_write, resolve_backend
 from hope.memory.residual_mlp import FastWeights, MemoryInit, curvature_bound, mlp_apply
 from hope.model.config import ModelConfig
 
@@ -137,25 +137,25 @@ class NeuralMemory(nn.Module):
         batch, seq, dim = x.shape
         if state is None:
             state = self.init_state(batch)
-        backend = backend or self.backend
+        backend = resolve_backend(backend or self.backend)
         (q, k, v), tail = self._project(x, state.conv_tail)
         # [B, T, 3H] -> three [B, H, T] gates
         theta, eta, alpha = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
         fast, chunks_done, reads = state.memory, state.chunks_done, []
         size = self.cfg.titans_chunk
-        theta_max = max_step(size)
+        # backend "compile": the whole chunk step (read, curvature, factors, write) in
+        # one compiled graph, its write on the plain closed form.
+        step = (
+            compiled(NeuralMemory._chunk_step) if backend == "compile" else NeuralMemory._chunk_step
+        )
+        write_backend = "torch" if backend == "compile" else backend
         for start in range(0, seq, size):
             span = slice(start, start + size)
-            reads.append(mlp_apply(fast.w1, fast.w2, q[:, :, span], residual=True))
-            # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
-            # a deviation that keeps the chunked write stable (see ``max_step``). For
-            # a linear memory with unit keys lambda_t = ||k_t||^2 = 1 (the paper's rule).
-            curvature = curvature_bound(fast.w1, fast.w2, k[:, :, span]).clamp_min(1.0)
-            step = theta_max * theta[:, :, span] / curvature
-            fast = momentum_write(
-                fast, k[:, :, span], v[:, :, span], step, eta[:, :, span],
-                1.0 - alpha[:, :, span], objective="l2", residual=True, backend=backend,
+            fast, read = step(
+                self, fast, q[:, :, span], k[:, :, span], v[:, :, span], theta[:, :, span],
+                eta[:, :, span], alpha[:, :, span], write_backend,
             )  # fmt: skip
+            reads.append(read)
             chunks_done += 1
             mode = self.cfg.write_grad
             if mode == "stopgrad" or (
@@ -164,3 +164,27 @@ class NeuralMemory(nn.Module):
                 fast = fast.detach()
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         return self.w_o(out), NeuralMemoryState(fast, tail, chunks_done)
+
+    def _chunk_step(
+        self,
+        fast: FastWeights,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        theta: Tensor,
+        eta: Tensor,
+        alpha: Tensor,
+        backend: str | None,
+    ) -> tuple[FastWeights, Tensor]:
+        """Read M(q) at the chunk-start state, then write the chunk (Ti eqs. 13-14);
+        q, k, v [B, H, C, d_h], gates [B, H, C]."""
+        read = mlp_apply(fast.w1, fast.w2, q, residual=True)
+        # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
+        # a deviation that keeps the chunked write stable (see ``max_step``). For
+        # a linear memory with unit keys lambda_t = ||k_t||^2 = 1 (the paper's rule).
+        curvature = curvature_bound(fast.w1, fast.w2, k).clamp_min(1.0)
+        step = max_step(self.cfg.titans_chunk) * theta / curvature
+        fast = momentum_write(
+            fast, k, v, step, eta, 1.0 - alpha, objective="l2", residual=True, backend=backend
+        )
+        return fast, read
