@@ -208,20 +208,29 @@ def test_checkpointed_chunk_loop_equals_the_plain_one(span, overrides):
     ckpt = _module(smt_checkpoint_chunks=span, **overrides)
     ckpt.load_state_dict(plain.state_dict())
     x = _x()
-    results = {}
-    for name, module in (("plain", plain), ("ckpt", ckpt)):
-        xg = x.clone().requires_grad_(True)
-        y, state = module(xg)
-        loss = _loss(y, state)
-        names, params = zip(*module.named_parameters(), strict=True)
-        grads = torch.autograd.grad(loss, (*params, xg), allow_unused=True)
-        results[name] = (y, state, dict(zip((*names, "input"), grads, strict=True)))
-    (y_p, s_p, g_p), (y_c, s_c, g_c) = results["plain"], results["ckpt"]
-    torch.testing.assert_close(y_c, y_p, rtol=0, atol=1e-12)
-    _assert_states_close(s_c, s_p, atol=1e-12)
-    for name, g in g_p.items():
-        assert g is not None and g_c[name] is not None, name
-        torch.testing.assert_close(g_c[name], g, rtol=0, atol=1e-12, msg=name)
+    _assert_same_run(_run_with_grads(ckpt, x), _run_with_grads(plain, x))
+
+
+Run = tuple[torch.Tensor, SMTState, dict[str, torch.Tensor | None]]
+
+
+def _run_with_grads(
+    module: SelfModifyingTitans, x: torch.Tensor, backend: str | None = None
+) -> Run:
+    """Output, final state, and the gradients of ``_loss`` for every parameter and x."""
+    x = x.clone().requires_grad_(True)
+    y, state = module(x, backend=backend)
+    names, params = zip(*module.named_parameters(), strict=True)
+    grads = torch.autograd.grad(_loss(y, state), (*params, x), allow_unused=True)
+    return y, state, dict(zip((*names, "input"), grads, strict=True))
+
+
+def _assert_same_run(got: Run, ref: Run, atol: float = 1e-12) -> None:
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=atol)
+    _assert_states_close(got[1], ref[1], atol=atol)
+    for name, g in ref[2].items():
+        assert g is not None and got[2][name] is not None, name
+        torch.testing.assert_close(got[2][name], g, rtol=0, atol=atol, msg=name)
 
 
 def _saved_bytes(module: SelfModifyingTitans, x: torch.Tensor) -> int:
@@ -260,16 +269,7 @@ def test_compiled_chunk_step_equals_eager(overrides):
     chunks and a partial last chunk; one stacked group with the fused read inside
     checkpointed segments)."""
     module, x = _module(**overrides), _x()
-    results = {}
-    for backend in ("torch", "compile"):
-        y, state = module(x, backend=backend)
-        results[backend] = (y, state, _param_grads(module, _loss(y, state)))
-    (y_t, s_t, g_t), (y_c, s_c, g_c) = results["torch"], results["compile"]
-    torch.testing.assert_close(y_c, y_t, rtol=0, atol=1e-12)
-    _assert_states_close(s_c, s_t, atol=1e-12)
-    for name, g in g_t.items():
-        assert g is not None and g_c[name] is not None, name
-        torch.testing.assert_close(g_c[name], g, rtol=0, atol=1e-12, msg=name)
+    _assert_same_run(_run_with_grads(module, x, "compile"), _run_with_grads(module, x, "torch"))
 
 
 def test_chunk_at_least_sequence_gives_no_write_outputs_but_flushes():
