@@ -449,7 +449,7 @@ class _Loop:
             return cls(plan, flush, backend, seq, pieces, step._generate, step._write)
         # Compile the chunk step's generation and writes (fused memory pass,
         # factors, curvature and closed-form update in one graph each), not only
-        # the closed form: on this CPU that is ~20% of a tiny HOPE step.
+        # the closed form (alone, that was no faster on a 2-core CPU).
         generate = compiled(SelfModifyingTitans._generate)
         return cls(
             plan, flush, "torch", seq, pieces, generate, compiled(SelfModifyingTitans._write)

@@ -13,8 +13,8 @@ Backends:
   (fuses the many small ops of a chunk update); compiled lazily on first use,
   never the default. The SMT and the Titans memory compile their whole chunk
   step this way (``memory/smt.py``: generation, the fused memory pass and the
-  write; ``memory/titans_memory.py``: read, curvature and write), ~12-20% of a
-  training step on this CPU (bench, ``bench.memory_backend=compile``).
+  write; ``memory/titans_memory.py``: read, curvature and write): 12-16% off a
+  tiny-shape training step on a 2-core CPU (bench, ``bench.memory_backend=compile``).
 
 ``set_default_backend`` overrides the default (tests, benchmarks); the
 environment variable ``HOPE_MEMORY_BACKEND`` sets it at import; modules also
