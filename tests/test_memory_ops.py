@@ -8,10 +8,19 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from hope.memory import residual_mlp
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
-from hope.memory.residual_mlp import FastWeights, grad_factors, inner_loss, mlp_apply
+from hope.memory.residual_mlp import (
+    FastWeights,
+    curvature_reference,
+    gelu_derivative,
+    gelu_slope_reference,
+    grad_factors,
+    inner_loss,
+    mlp_apply,
+)
 
 B, H, D_IN, D_HID = 2, 2, 4, 8
 DT = torch.float64
@@ -111,6 +120,46 @@ def test_grad_factors_equal_autograd_per_token_gradients(objective, d_out):
     g1, g2 = naive_inner_grads(w1, w2, k, target, objective, residual)
     torch.testing.assert_close(fac.e.unsqueeze(-1) * fac.a.unsqueeze(-2), g1, rtol=0, atol=1e-12)
     torch.testing.assert_close(fac.d.unsqueeze(-1) * k.unsqueeze(-2), g2, rtol=0, atol=1e-12)
+
+
+def test_gelu_derivative_and_its_closed_form_backward_equal_autograd():
+    z = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64, requires_grad=True)
+    slope = gelu_derivative(z)
+    (auto_slope,) = torch.autograd.grad(F.gelu(z).sum(), z, create_graph=True)
+    torch.testing.assert_close(slope, auto_slope, rtol=0, atol=1e-15)
+    probe = torch.randn(241, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (second,) = torch.autograd.grad((slope * probe).sum(), z)
+    (twin,) = torch.autograd.grad((gelu_slope_reference(z) * probe).sum(), z)
+    (auto_second,) = torch.autograd.grad((auto_slope * probe).sum(), z)
+    torch.testing.assert_close(second, twin, rtol=0, atol=1e-14)
+    torch.testing.assert_close(second, auto_second, rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(gelu_derivative, (z[::20].detach().requires_grad_(),))
+
+
+@pytest.mark.parametrize("expanded_w1", [False, True])
+def test_curvature_closed_form_gradient_equals_its_elementary_twin(expanded_w1):
+    """chunk_pass's curvature (one autograd node) vs the elementary-op form: values and
+    the gradients of act, slope, W1 (also a per-sample expanded view, as at init) and k."""
+    gen = torch.Generator().manual_seed(5)
+    shape_h, shape_k = (2, 3, 5, 8), (2, 3, 5, 4)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    act, slope, k = rand(*shape_h), rand(*shape_h), rand(*shape_k)
+    w1_base = rand(3, 6, 8) if expanded_w1 else rand(2, 3, 6, 8)
+    w1 = w1_base.expand(2, -1, -1, -1) if expanded_w1 else w1_base
+    inputs = (act, slope, w1_base, k)
+    probe = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    got = residual_mlp._Curvature.apply(act, slope, w1, k)
+    ref = curvature_reference(act, slope, w1, k)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-13)
+    grads = torch.autograd.grad((got * probe).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * probe).sum(), inputs)
+    for name, g, r in zip(("act", "slope", "w1", "k"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-12, msg=name)
+    checked = (act, slope, w1.detach().contiguous().requires_grad_(), k)  # no stride-0 input
+    assert torch.autograd.gradcheck(residual_mlp._Curvature.apply, checked)
 
 
 def test_linear_case_gradient_is_sum_of_two_error_outer_products():

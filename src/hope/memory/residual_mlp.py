@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -71,11 +71,37 @@ class GradFactors:
     pre: Tensor  # [B, H, T, h_m]  pre-activation W2 k (the DGD preconditioner reuses it)
 
 
-def gelu_derivative(z: Tensor) -> Tensor:
-    """d/dz [z Phi(z)] = Phi(z) + z phi(z) for the exact (erf) GELU."""
+def gelu_slope_reference(z: Tensor) -> Tensor:
+    """gelu'(z) = Phi(z) + z phi(z) (exact, erf GELU) from elementary ops: the test
+    twin of ``gelu_derivative``, whose backward autograd derives through each op."""
     cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
     pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
     return cdf + z * pdf
+
+
+class _GeluSlope(torch.autograd.Function):
+    """gelu'(z) with the closed-form gelu''(z) = phi(z) (2 - z^2) as its backward.
+
+    It saves only z (already kept by the GELU itself) instead of the erf/exp
+    intermediates of the elementary-op form, and runs one backward node, not five.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, z: Tensor) -> Tensor:
+        ctx.save_for_backward(z)
+        return gelu_slope_reference(z)  # Function.forward runs without a graph
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        (z,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
+        return grad * pdf * (2.0 - z * z)
+
+
+def gelu_derivative(z: Tensor) -> Tensor:
+    """d/dz [z Phi(z)] = Phi(z) + z phi(z) for the exact (erf) GELU; differentiable
+    (first order) with a closed-form second derivative."""
+    return cast(Tensor, _GeluSlope.apply(z))
 
 
 def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
@@ -133,11 +159,50 @@ def _factors(
     return GradFactors(e=err, a=hid.act, d=hidden_err, pre=hid.pre)
 
 
+def curvature_reference(act: Tensor, slope: Tensor, w1: Tensor, k: Tensor) -> Tensor:
+    """||a_t||^2 + ||k_t||^2 ||W1 G_t||_F^2 from elementary ops (the twin of
+    ``_Curvature``); act/slope [B, H, T, h_m], w1 [B, H, d_out, h_m], k [B, H, T, d_in]."""
+    col_sq = (w1 * w1).sum(-2)  # [B, H, h_m]: squared column norms of W1
+    back_sq = ((slope * slope) @ col_sq.unsqueeze(-1)).squeeze(-1)
+    return (act * act).sum(-1) + (k * k).sum(-1) * back_sq
+
+
+class _Curvature(torch.autograd.Function):
+    """``curvature_reference`` with its gradient written out: one backward node that
+    saves only small [B, H, T] / [B, H, h_m] sums beside the inputs (which the memory
+    pass keeps anyway), instead of a square and a product per input."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, act: Tensor, slope: Tensor, w1: Tensor, k: Tensor
+    ) -> Tensor:
+        col_sq = (w1 * w1).sum(-2)
+        slope_sq = slope * slope
+        back_sq = (slope_sq @ col_sq.unsqueeze(-1)).squeeze(-1)
+        k_sq = (k * k).sum(-1)
+        ctx.save_for_backward(act, slope, w1, k, col_sq, back_sq, k_sq)
+        return (act * act).sum(-1) + k_sq * back_sq
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        act, slope, w1, k, col_sq, back_sq, k_sq = ctx.saved_tensors  # type: ignore[attr-defined]
+        needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+        g = grad.unsqueeze(-1)  # [B, H, T, 1]
+        g_back = grad * k_sq  # d c / d back_sq, [B, H, T]
+        d_act = 2.0 * act * g if needs[0] else None
+        d_slope = 2.0 * slope * g_back.unsqueeze(-1) * col_sq.unsqueeze(-2) if needs[1] else None
+        d_w1 = None
+        if needs[2]:  # d c / d col_sq[j] = sum_t g_back[t] slope[t, j]^2
+            d_col = (g_back.unsqueeze(-2) @ (slope * slope)).squeeze(-2)  # [B, H, h_m]
+            d_w1 = 2.0 * w1 * d_col.unsqueeze(-2)
+        d_k = 2.0 * k * (grad * back_sq).unsqueeze(-1) if needs[3] else None
+        return d_act, d_slope, d_w1, d_k
+
+
 def _curvature(w1: Tensor, k: Tensor, hid: _Hidden) -> Tensor:
-    act_sq = hid.act.pow(2).sum(-1)
-    col_sq = w1.pow(2).sum(-2)  # [B, H, h_m]: squared column norms of W1
-    back_sq = (hid.slope.pow(2) @ col_sq.unsqueeze(-1)).squeeze(-1)
-    return act_sq + k.pow(2).sum(-1) * back_sq
+    return cast(Tensor, _Curvature.apply(hid.act, hid.slope, w1, k))
 
 
 def grad_factors(
