@@ -159,12 +159,22 @@ def _factors(
     return GradFactors(e=err, a=hid.act, d=hidden_err, pre=hid.pre)
 
 
-def curvature_reference(act: Tensor, slope: Tensor, w1: Tensor, k: Tensor) -> Tensor:
-    """||a_t||^2 + ||k_t||^2 ||W1 G_t||_F^2 from elementary ops (the twin of
-    ``_Curvature``); act/slope [B, H, T, h_m], w1 [B, H, d_out, h_m], k [B, H, T, d_in]."""
-    col_sq = (w1 * w1).sum(-2)  # [B, H, h_m]: squared column norms of W1
+def _curvature_terms(
+    act: Tensor, slope: Tensor, w1: Tensor, k: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(curvature [B, H, T], col_sq [B, H, h_m] = squared column norms of W1,
+    back_sq [B, H, T] = ||W1 G_t||_F^2, k_sq [B, H, T] = ||k_t||^2)."""
+    col_sq = (w1 * w1).sum(-2)
     back_sq = ((slope * slope) @ col_sq.unsqueeze(-1)).squeeze(-1)
-    return (act * act).sum(-1) + (k * k).sum(-1) * back_sq
+    k_sq = (k * k).sum(-1)
+    return (act * act).sum(-1) + k_sq * back_sq, col_sq, back_sq, k_sq
+
+
+def curvature_reference(act: Tensor, slope: Tensor, w1: Tensor, k: Tensor) -> Tensor:
+    """||a_t||^2 + ||k_t||^2 ||W1 G_t||_F^2 differentiated by autograd through its
+    elementary ops (the twin of ``_Curvature``); act/slope [B, H, T, h_m],
+    w1 [B, H, d_out, h_m], k [B, H, T, d_in]."""
+    return _curvature_terms(act, slope, w1, k)[0]
 
 
 class _Curvature(torch.autograd.Function):
@@ -176,12 +186,9 @@ class _Curvature(torch.autograd.Function):
     def forward(
         ctx: torch.autograd.function.FunctionCtx, act: Tensor, slope: Tensor, w1: Tensor, k: Tensor
     ) -> Tensor:
-        col_sq = (w1 * w1).sum(-2)
-        slope_sq = slope * slope
-        back_sq = (slope_sq @ col_sq.unsqueeze(-1)).squeeze(-1)
-        k_sq = (k * k).sum(-1)
+        curvature, col_sq, back_sq, k_sq = _curvature_terms(act, slope, w1, k)
         ctx.save_for_backward(act, slope, w1, k, col_sq, back_sq, k_sq)
-        return (act * act).sum(-1) + k_sq * back_sq
+        return curvature
 
     @staticmethod
     def backward(
@@ -194,7 +201,8 @@ class _Curvature(torch.autograd.Function):
         d_act = 2.0 * act * g if needs[0] else None
         d_slope = 2.0 * slope * g_back.unsqueeze(-1) * col_sq.unsqueeze(-2) if needs[1] else None
         d_w1 = None
-        if needs[2]:  # d c / d col_sq[j] = sum_t g_back[t] slope[t, j]^2
+        if needs[2]:
+            # d c / d col_sq[j] = sum_t g_back[t] slope[t, j]^2 (slope^2 recomputed, not saved)
             d_col = (g_back.unsqueeze(-2) @ (slope * slope)).squeeze(-2)  # [B, H, h_m]
             d_w1 = 2.0 * w1 * d_col.unsqueeze(-2)
         d_k = 2.0 * k * (grad * back_sq).unsqueeze(-1) if needs[3] else None
