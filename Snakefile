@@ -5,7 +5,10 @@
 #   snakemake --cores 2                       # local
 #   snakemake --profile configs/slurm         # SLURM (snakemake-executor-plugin-slurm)
 # params.yaml is the config for both runners; it is validated (unknown keys,
-# types, preset) before any job is scheduled.
+# types, preset) before any job is scheduled. Each rule that computes with
+# several threads declares `threads:` from the resolved params (the stage itself
+# pins torch/sentencepiece to the same count), so `snakemake --cores N`, SLURM
+# (--cpus-per-task) and `dvc repro` run the same numerics.
 import sys
 
 configfile: "params.yaml"
@@ -13,7 +16,7 @@ configfile: "params.yaml"
 sys.path.insert(0, "src")
 from hope.config import load_config  # noqa: E402
 
-load_config("params.yaml")
+CFG = load_config("params.yaml")
 PRESET = f"configs/presets/{config['preset']}.yaml"
 
 
@@ -48,6 +51,7 @@ rule tokenizer:
     output:
         "data/tokenizer/spm.model",
         "data/tokenizer/coverage.json",
+    threads: CFG.tokenizer.num_threads
     shell:
         "python stages/tokenizer.py"
 
@@ -60,6 +64,7 @@ rule shard:
         "data/tokenizer/spm.model",
     output:
         "data/shards/manifest.json",
+    threads: CFG.tokenizer.num_threads
     shell:
         "python stages/shard.py"
 
@@ -74,6 +79,7 @@ rule train:
         directory("models/checkpoints"),
         "reports/train.json",
         "reports/train_log.tsv",
+    threads: CFG.train.num_threads
     shell:
         "python stages/train.py"
 
@@ -87,6 +93,7 @@ rule eval:
     output:
         "reports/eval.json",
         "reports/eval_config.yaml",
+    threads: CFG.train.num_threads
     shell:
         "python stages/eval.py"
 
@@ -124,5 +131,6 @@ rule bench:
         PRESET,
     output:
         "reports/bench.json",
+    threads: CFG.bench.num_threads
     shell:
         "python stages/bench.py"

@@ -207,8 +207,10 @@ def test_bad_bench_knobs_name_the_key(tmp_path: Path) -> None:
 
 
 def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    # The ambient thread count (2) loses to the params' (1).
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "WANDB_MODE": "disabled"}
     sets = [*SMALL, "bench.variants=[transformer]", "bench.shapes=[tiny,smoke]"]
+    sets.append("bench.num_threads=1")
     args = [arg for s in sets for arg in ("--set", s)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "stages/bench.py"), "--params", str(PARAMS), *args],
@@ -224,7 +226,7 @@ def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) 
         assert row["peak_mem_mb"] >= row["mem_baseline_mb"] > 0
         assert row["host_syncs_per_step"] == 0
         assert row["tokens_per_s"] == pytest.approx(tokens / (row["step_ms"] / 1e3))
-    assert report["machine"]["torch_threads"] == 1  # from the measuring subprocess
+    assert report["machine"]["torch_threads"] == 1  # from the measuring subprocess's params
     assert report["smoke"]["transformer"]["params"] > 32_000 * 128
 
 

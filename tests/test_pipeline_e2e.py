@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,29 +64,77 @@ def test_plots_render_as_json(dvc_repo: Path) -> None:
     assert "reports/plots/loss.png" in shown.stdout
 
 
-def test_experiment_changes_metric_and_diff_shows_it(dvc_repo: Path) -> None:
+# The ablation of test_experiment_...: short enough to be re-run by Snakemake below.
+EXPERIMENT_STEPS = 60
+# Artifacts that must be byte-identical between two runs of the same params on one
+# machine kind, whatever the orchestrator (README "Reproducibility").
+SAME_BYTES = (
+    "data/raw/manifest.json",
+    "data/tokenizer/spm.model",
+    "data/shards/manifest.json",
+    "release/model.safetensors",
+)
+
+
+def _losses(repo: Path) -> list[dict[str, str]]:
+    """train_log.tsv without its speed column."""
+    rows = (repo / "reports/train_log.tsv").read_text().splitlines()
+    header = rows[0].split("\t")
+    keep = [i for i, name in enumerate(header) if name != "tokens_per_s"]
+    return [{header[i]: row.split("\t")[i] for i in keep} for row in rows[1:]]
+
+
+@pytest.fixture(scope="module")
+def experiment(dvc_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`dvc exp run -S train.steps=60` on the baseline; its artifacts are kept aside
+    (the workspace is restored to the baseline afterwards)."""
     run(["git", "add", "-A"], dvc_repo)
     run(["git", "commit", "-qm", "baseline run"], dvc_repo)
-    before = _json(dvc_repo / "reports/train.json")
-    run(["dvc", "exp", "run", "-S", "train.steps=60"], dvc_repo)
-    after = _json(dvc_repo / "reports/train.json")
-    assert after["steps"] == 60 and before["steps"] != 60
-    assert after["val_loss"] != before["val_loss"]
-    diff = run(["dvc", "metrics", "diff", "--md"], dvc_repo)
-    assert "reports/train.json" in diff.stdout and "val_loss" in diff.stdout
-    table = run(["dvc", "exp", "show", "--md"], dvc_repo)
-    assert "train.steps" in table.stdout and "60" in table.stdout
+    kept = tmp_path_factory.mktemp("experiment")
+    shutil.copy2(dvc_repo / "reports/train.json", kept / "baseline_train.json")
+    run(["dvc", "exp", "run", "-S", f"train.steps={EXPERIMENT_STEPS}"], dvc_repo)
+    for rel in ("reports/train.json", "reports/eval.json", "reports/train_log.tsv", *SAME_BYTES):
+        (kept / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(dvc_repo / rel, kept / rel)
+    (kept / "diff.md").write_text(run(["dvc", "metrics", "diff", "--md"], dvc_repo).stdout)
+    (kept / "show.md").write_text(run(["dvc", "exp", "show", "--md"], dvc_repo).stdout)
     run(["git", "checkout", "--", "."], dvc_repo)
     run(["dvc", "checkout"], dvc_repo)
+    return kept
 
 
-def test_snakemake_mirror_produces_same_artifacts(
-    dvc_repo: Path, tmp_path_factory: pytest.TempPathFactory
+def test_experiment_changes_metric_and_diff_shows_it(dvc_repo: Path, experiment: Path) -> None:
+    before = _json(experiment / "baseline_train.json")
+    after = _json(experiment / "reports/train.json")
+    assert after["steps"] == EXPERIMENT_STEPS and before["steps"] != EXPERIMENT_STEPS
+    assert after["val_loss"] != before["val_loss"]
+    diff = (experiment / "diff.md").read_text()
+    assert "reports/train.json" in diff and "val_loss" in diff
+    table = (experiment / "show.md").read_text()
+    assert "train.steps" in table and str(EXPERIMENT_STEPS) in table
+    # The workspace is back at the baseline.
+    assert _json(dvc_repo / "reports/train.json") == before
+
+
+def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
+    experiment: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """Same params (the experiment's), same machine: Snakemake rebuilds DVC's numbers
+    exactly. The bench's own knobs are cut down (its timings are not compared)."""
     repo = copy_repo(tmp_path_factory.mktemp("smk") / "repo")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["train"]["steps"] = EXPERIMENT_STEPS
+    params["bench"].update(steps=1, warmup=0, shapes=["tiny"])
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     run(["snakemake", "--cores", "2"], repo)
-    for rel in ("data/raw/manifest.json", "data/tokenizer/spm.model", "data/shards/manifest.json"):
-        assert (repo / rel).read_bytes() == (dvc_repo / rel).read_bytes(), rel
-    ours, theirs = _json(repo / "reports/eval.json"), _json(dvc_repo / "reports/eval.json")
-    assert ours["val"]["loss"] == pytest.approx(theirs["val"]["loss"], rel=1e-4)
+    for rel in SAME_BYTES:
+        assert (repo / rel).read_bytes() == (experiment / rel).read_bytes(), rel
+    ours, theirs = _json(repo / "reports/eval.json"), _json(experiment / "reports/eval.json")
+    assert ours["val"] == theirs["val"] and ours["passkey"] == theirs["passkey"]
+    assert ours["runtime"] == theirs["runtime"]
+    assert ours["runtime"]["num_threads"] == 2
+    assert _losses(repo) == _losses(experiment)
+    ours, theirs = _json(repo / "reports/train.json"), _json(experiment / "reports/train.json")
+    for key in ("train_loss", "val_loss", "steps", "tokens_seen", "params", "runtime"):
+        assert ours[key] == theirs[key], key
     run([sys.executable, "stages/release.py", "--verify", "release"], repo)

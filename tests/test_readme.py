@@ -19,7 +19,7 @@ COVERED = {
     r"dvc exp show --md": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
     r"dvc metrics diff --md": f"{E2E}::test_experiment_changes_metric_and_diff_shows_it",
     r"dvc plots show --json": f"{E2E}::test_plots_render_as_json",
-    r"snakemake --cores 2": f"{E2E}::test_snakemake_mirror_produces_same_artifacts",
+    r"snakemake --cores 2": f"{E2E}::test_snakemake_mirror_reproduces_dvc_bit_for_bit",
     r"snakemake --profile configs/slurm": "tests/test_slurm_profile.py",
     r"python stages/release.py --verify release": E2E,
 }

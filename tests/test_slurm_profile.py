@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, copy_repo, pipeline_env
+from hope.config import load_config
 
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 PROFILE = ROOT / "configs" / "slurm" / "config.yaml"
@@ -65,10 +66,21 @@ def _submitted_rules() -> list[str]:
     return [rule for rule in rules if rule != "all"]
 
 
-def _expected_resources(rule: str) -> dict[str, object]:
+def _expected_resources(rule: str, repo: Path) -> dict[str, object]:
+    """The profile's resources for ``rule``; its CPUs are the rule's threads from params."""
     profile = yaml.safe_load(PROFILE.read_text())
     resources = dict(profile["default-resources"])
     resources.update(profile.get("set-resources", {}).get(rule, {}))
+    assert "cpus_per_task" not in resources, "CPUs must follow the params' thread counts"
+    cfg = load_config(repo / "params.yaml")
+    threads = {
+        "tokenizer": cfg.tokenizer.num_threads,
+        "shard": cfg.tokenizer.num_threads,
+        "train": cfg.train.num_threads,
+        "eval": cfg.train.num_threads,
+        "bench": cfg.bench.num_threads,
+    }
+    resources["cpus_per_task"] = threads.get(rule, 1)
     return resources
 
 
@@ -203,7 +215,7 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     run_ids = {options["--job-name"] for options in sbatch}
     assert len(run_ids) == 1, "all jobs of one run share the run id as job name"
     for rule in rules:
-        options, expected = by_rule[rule][0], _expected_resources(rule)
+        options, expected = by_rule[rule][0], _expected_resources(rule, repo)
         assert "--parsable" in options and options["-D"] == str(repo), rule
         assert options["-p"] == str(expected["slurm_partition"]), rule
         assert options["-t"] == str(expected["runtime"]), rule
@@ -221,7 +233,7 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     steps = dict(_step(argv) for argv in _calls(log, "srun"))
     assert sorted(steps) == sorted(rules)
     for rule in rules:
-        expected = _expected_resources(rule)
+        expected = _expected_resources(rule, repo)
         assert steps[rule]["--cpus-per-task"] == str(expected["cpus_per_task"]), rule
         gpu = expected.get("gpu")
         assert steps[rule].get("--gpus") == (str(gpu) if gpu else None), rule

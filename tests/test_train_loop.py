@@ -143,6 +143,42 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(
     assert json.loads((tmp_path / "resumed" / "reports" / "train.json").read_text()) == resumed
 
 
+def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested checkpoint tree, by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if not isinstance(tree, (dict, list, tuple)):
+        return {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(_tensors(value, f"{prefix}/{key}"))
+    return out
+
+
+def test_same_params_give_identical_metrics_and_checkpoints(tmp_path: Path) -> None:
+    """Two runs of the train stage with the same params, one in another process whose
+    environment asks for one thread (as Snakemake exports for a 1-thread job): the
+    params' thread count wins, and metrics and checkpoints agree bit for bit."""
+    here = run(tmp_path / "here", "train.num_threads=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    subprocess.run(
+        [sys.executable, __file__, str(tmp_path / "there"), "train.num_threads=2"],
+        env=env, check=True, capture_output=True,
+    )  # fmt: skip
+    there = json.loads((tmp_path / "there" / "reports" / "train.json").read_text())
+    assert here["runtime"]["num_threads"] == there["runtime"]["num_threads"] == 2
+    for key in ("train_loss", "val_loss", "val_ppl", "steps", "tokens_seen", "params", "runtime"):
+        assert here[key] == there[key], key
+    a = ckpt.load_checkpoint(latest(tmp_path / "here" / "ckpt"))
+    b = ckpt.load_checkpoint(latest(tmp_path / "there" / "ckpt"))
+    for part in ("model", "optimizer", "rng"):
+        ta, tb = _tensors(a[part]), _tensors(b[part])
+        assert ta.keys() == tb.keys() and ta, part
+        for name, value in ta.items():
+            assert torch.equal(value, tb[name]), f"{part}{name}"
+
+
 def test_reports_have_the_logged_rows_and_training_learns(tmp_path: Path) -> None:
     metrics = run(tmp_path)
     rows = read_tsv(tmp_path / "reports" / "train_log.tsv")
@@ -228,5 +264,5 @@ def test_zero_steps_reports_the_initial_model(tmp_path: Path) -> None:
     assert latest(tmp_path / "ckpt").name == "step_0000000.pt"
 
 
-if __name__ == "__main__":  # the subprocess of the SIGKILL test
-    run(Path(sys.argv[1]))
+if __name__ == "__main__":  # the subprocess of the SIGKILL and repeatability tests
+    run(Path(sys.argv[1]), *sys.argv[2:])

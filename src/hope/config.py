@@ -91,9 +91,16 @@ class TrainConfig:
     steps: int = 250
     batch_size: int = 16
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    num_threads: int = 0  # 0: leave torch's default
+    # The numerics of a run (train and eval; hope.train.device.configure_numerics).
+    # Every one of them changes the numbers, so none is left to the machine:
+    # device "auto" is resolved at start and recorded in train.json's "runtime".
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when available)
+    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # fp32 is strict (no TF32)
+    # torch intra-op threads: CPU reductions are split per thread, so another count
+    # gives (slightly) other numbers. Snakemake rules request this many cores.
+    num_threads: int = 2
+    # torch.use_deterministic_algorithms (+ cuDNN/cuBLAS determinism on CUDA).
+    deterministic: bool = True
     # Memory-write backend (hope.memory.ops.dispatch): "compile" runs the memories'
     # chunk steps through torch.compile (same values); "fla" needs CUDA + fla.
     memory_backend: Literal["torch", "compile", "fla"] = "torch"
@@ -134,9 +141,9 @@ class BenchConfig:
     warmup: int = 2
     steps: int = 5
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (recorded in bench.json's machine)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    num_threads: int = 0  # 0: leave torch's default
+    num_threads: int = 2  # torch intra-op threads while measuring (as train.num_threads)
     memory_backend: Literal["torch", "compile", "fla"] = "torch"  # as train.memory_backend
 
 
@@ -322,6 +329,14 @@ def _validate(cfg: Config) -> None:
         (d.seq_len > 0, "data.seq_len must be positive"),
         (cfg.train.batch_size > 0, "train.batch_size must be positive"),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
+        (
+            cfg.train.num_threads >= 1,
+            f"train.num_threads={cfg.train.num_threads} must be >= 1 (results depend on it)",
+        ),
+        (
+            cfg.bench.num_threads >= 1,
+            f"bench.num_threads={cfg.bench.num_threads} must be >= 1",
+        ),
         (cfg.tokenizer.vocab_size >= 64, "tokenizer.vocab_size must be >= 64"),
     ]
     for ok, message in checks:

@@ -15,7 +15,7 @@ from typing import Any
 from hope.config import Config
 from hope.eval.passkey import evaluate_passkey
 from hope.eval.perplexity import bits_per_byte, evaluate_perplexity
-from hope.train.device import autocast_dtype, resolve_device
+from hope.train.device import autocast_dtype, configure_numerics, resolve_device, runtime_record
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,10 @@ def evaluate(
         log.warning(
             "the checkpoint's model config differs from params; evaluating the checkpoint's"
         )
+    # Eval runs with the numerics of the train section (device, precision, threads,
+    # determinism): the same params give the same numbers under any orchestrator.
     device = resolve_device(cfg.train.device)
+    configure_numerics(cfg.train, device)
     amp = autocast_dtype(device, cfg.train.precision)
     model.to(device)
     seq_len = ckpt_cfg.data.seq_len  # the context the model was trained on
@@ -90,4 +93,10 @@ def evaluate(
         math.isfinite(v) for v in (ppl.loss, *(r["true_logprob"] for r in passkey.values()))
     ):
         log.warning("non-finite evaluation numbers: the checkpoint may have diverged")
-    return {"val": val, "passkey": passkey, "step": step, "variant": ckpt_cfg.model.variant}
+    return {
+        "val": val,
+        "passkey": passkey,
+        "step": step,
+        "variant": ckpt_cfg.model.variant,
+        "runtime": runtime_record(cfg.train, device),
+    }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,18 +41,46 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
     return None
 
 
+def configure_numerics(cfg: TrainConfig, device: torch.device) -> None:
+    """Everything besides the seed that changes a run's numbers, from the config only.
+
+    Threads: CPU kernels split reductions per thread, so the count is pinned (never
+    the machine's default). Determinism: ``torch.use_deterministic_algorithms`` and,
+    on CUDA, cuBLAS's fixed workspace and deterministic cuDNN. ``precision: fp32``
+    is strict fp32 on CUDA (no TF32 matmuls); ``bf16``/``auto`` allow TF32 for the
+    fp32 ops outside autocast.
+    """
+    torch.set_num_threads(cfg.num_threads)
+    if device.type == "cuda":
+        if cfg.deterministic:
+            # Must be set before the first cuBLAS handle is made (torch docs,
+            # "Reproducibility"); setdefault keeps a user's own choice.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = cfg.deterministic
+        torch.backends.cudnn.benchmark = not cfg.deterministic
+        tf32 = cfg.precision != "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    torch.use_deterministic_algorithms(cfg.deterministic)
+
+
+def runtime_record(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """The resolved numerics of this process, for the reports (train.json, eval.json)."""
+    amp = autocast_dtype(device, cfg.precision)
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "precision": "fp32" if amp is None else str(amp).removeprefix("torch."),
+        "num_threads": torch.get_num_threads(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "torch": str(torch.__version__),  # TorchVersion would not pass weights_only loads
+    }
+
+
 def setup_runtime(cfg: TrainConfig, device: torch.device) -> None:
-    """Threads, seeds, the memory-write backend and (on CPU) deterministic kernels,
-    before the model is built."""
+    """Numerics, seeds and the memory-write backend, before the model is built."""
     set_default_backend(cfg.memory_backend)
-    if cfg.num_threads > 0:
-        torch.set_num_threads(cfg.num_threads)
+    configure_numerics(cfg, device)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    if device.type == "cpu":
-        # CUDA determinism would need CUBLAS_WORKSPACE_CONFIG and slower kernels; CPU is free.
-        torch.use_deterministic_algorithms(True)
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True

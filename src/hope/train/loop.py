@@ -27,7 +27,7 @@ from hope.model.lm import LanguageModel
 from hope.model.registry import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
-from hope.train.device import autocast_dtype, resolve_device, setup_runtime
+from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime
 from hope.train.logger import TrainLogger, write_tsv
 from hope.train.schedule import build_scheduler
 
@@ -257,6 +257,7 @@ class Trainer:
             "tokens_per_s": self.tokens_seen / max(self.elapsed_s, 1e-9),
             "wall_time_s": self.elapsed_s,
             "params": self.model.num_parameters(),
+            "runtime": runtime_record(self.cfg.train, self.device),
         }
 
     def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:
