@@ -256,20 +256,54 @@ def test_pieces_follow_the_cms_grid() -> None:
 
 
 @pytest.mark.parametrize("split", (4, 8))
-@pytest.mark.parametrize("mode", TEACH_MODES)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_chained_calls_equal_one_call_at_piece_boundaries(
-    variant: str, mode: str, split: int
+def test_chained_exact_online_calls_equal_one_call_at_piece_boundaries(
+    variant: str, split: int
 ) -> None:
     """Splits on the C1 grid (and on the SMT C_m grid): logits and every state tensor
     (KV cache / SMT memories, CMS Δ, pending buffers of the period-8 level) agree."""
-    model = tiny_model(variant, mode)
+    model = tiny_model(variant, "exact_online")
     x, y = data()
     logits, state = model.forward_teach(x, y)
     first, mid = model.forward_teach(x[:, :split], y[:, :split])
     second, end = model.forward_teach(x[:, split:], y[:, split:], mid)
     torch.testing.assert_close(torch.cat([first, second], dim=1), logits, rtol=0, atol=1e-12)
     assert_states_equal(end, state)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_teach_pass_in_c1_calls_is_exact_online(variant: str) -> None:
+    """Pass A reads the call-start weights θ0 + Δ_s (MECHANISMS §8.3b): a call of one C1
+    piece is then the oracle's step, so chained C1 calls equal ``exact_online``
+    (logits, CMS Δ, pending buffers, mixer states)."""
+    model = tiny_model(variant, "teach_pass")
+    oracle = tiny_model(variant, "exact_online")
+    oracle.load_state_dict(model.state_dict())
+    x, y = data()
+    logits_o, state_o = oracle.forward_teach(x, y)
+    state, pieces = model.init_state(2), []
+    for start in range(0, T, C1):
+        piece = slice(start, start + C1)
+        logits, state = model.forward_teach(x[:, piece], y[:, piece], state)
+        pieces.append(logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), logits_o, rtol=0, atol=1e-12)
+    assert_states_equal(state, state_o)
+    assert max(leaf.abs().max() for leaf in tensor_leaves(state.blocks[1].cms)) > 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_teach_pass_call_reads_what_the_state_already_learned(variant: str) -> None:
+    """The second call's pass A sees the carried Δ: its δ (and so its writes) differ
+    from a θ0 pass A, i.e. from one call over both halves."""
+    model = tiny_model(variant, "teach_pass")
+    x, y = data()
+    _, mid = model.forward_teach(x[:, :8], y[:, :8])
+    signal = teach_signal(model, x[:, 8:], y[:, 8:], mid)
+    stale = teach_signal(model, x[:, 8:], y[:, 8:], dataclasses.replace(
+        mid, blocks=[dataclasses.replace(b, cms=model.init_state(2).blocks[i].cms)
+                     for i, b in enumerate(mid.blocks)]
+    ))  # fmt: skip
+    assert (signal.deltas[1][0] - stale.deltas[1][0]).abs().max() > 1e-6
 
 
 def test_off_grid_split_agrees_up_to_the_cut_piece() -> None:

@@ -128,11 +128,10 @@ def test_ns_three_steps_equal_spectral_closed_form() -> None:
     torch.testing.assert_close(newton_schulz_cubic(g, 3), u @ torch.diag(s) @ v.T)
 
 
-def test_ns_reshapes_to_first_dim_and_handles_zero() -> None:
+def test_ns_keeps_the_shape_and_handles_zero() -> None:
     t = torch.randn(4, 2, 3, dtype=torch.float64)
     out = newton_schulz_cubic(t, 3)
-    assert out.shape == t.shape
-    torch.testing.assert_close(out, newton_schulz_cubic(t.reshape(4, 6), 3).reshape(4, 2, 3))
+    assert out.shape == t.shape  # per-head: test_newton_schulz_orthogonalises_each_head...
     zero = newton_schulz_cubic(torch.zeros(3, 5), 3)
     assert torch.equal(zero, torch.zeros(3, 5))
     with pytest.raises(ValueError, match="2 dims"):
@@ -383,3 +382,42 @@ def test_hybrid_on_the_transformer_lm(name: str) -> None:
         opt.step()
         first.append(loss.detach())
     assert float(first[-1]) < float(first[0]) - 0.2  # memorises one small batch
+
+
+def test_newton_schulz_orthogonalises_each_head_of_a_stacked_matrix() -> None:
+    """A per-head weight [H, a, b] is H matrices: NS of the stack equals NS of each head
+    alone, and not NS of the flattened (H, a·b) matrix, which would mix the heads."""
+    gen = torch.Generator().manual_seed(0)
+    stacked = torch.randn(3, 6, 4, generator=gen, dtype=torch.float64)
+    stacked[1] *= 50.0  # heads of very different scales
+    out = newton_schulz_cubic(stacked, 5)
+    for head in range(3):
+        torch.testing.assert_close(out[head], newton_schulz_cubic(stacked[head], 5))
+    flat = newton_schulz_cubic(stacked.reshape(3, -1), 5).reshape(stacked.shape)
+    assert (flat - out).abs().max() > 0.1
+    # Every head comes out near-orthogonal on its own (singular values near 1).
+    singular = torch.linalg.svdvals(newton_schulz_cubic(stacked, 12))
+    torch.testing.assert_close(singular, torch.ones_like(singular), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["hope", "titans_mac"])
+def test_partition_of_the_memory_models(variant: str) -> None:
+    """Conv kernels, persistent tokens, Titans gates and per-head row vectors ([H, 1, h]
+    output weights of the scalar memories η, α) go to AdamW; per-head memory states
+    and every linear map go to the matrix group."""
+    model = build_model(ModelConfig(variant=variant, vocab_size=32, dim=32, n_heads=4))
+    part = partition_params(model)
+    matrix, other = dict(part.matrix), dict(part.other)
+    assert not any(name.endswith("conv.weight") for name in matrix)
+    assert any(name.endswith("conv.weight") for name in other)
+    for name, param in matrix.items():
+        assert min(param.shape[-2:]) > 1, name
+    if variant == "hope":
+        assert matrix["blocks.0.mixer.smt.inits.k.w2"].shape == (4, 16, 8)
+        assert "blocks.0.mixer.smt.inits.eta.w1" in other  # [H, 1, h]
+        assert "blocks.0.cms.levels.0.w_in" in matrix
+    else:
+        assert "blocks.0.memory.gates.weight" in other
+        assert "blocks.0.attn.persistent" in other
+        assert "blocks.0.memory.init.w2" in matrix
+    assert len(matrix) + len(other) == sum(1 for p in model.parameters() if p.requires_grad)

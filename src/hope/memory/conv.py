@@ -19,6 +19,9 @@ from hope.memory.pieces import PieceGrid
 
 
 class CausalDepthwiseConv(nn.Module):
+    # Per-channel kernels [d, w], not a map between features: AdamW, not Muon/M3.
+    vector_params = ("weight",)
+
     def __init__(self, channels: int, window: int, init_std: float = 0.02):
         super().__init__()
         if window < 1:

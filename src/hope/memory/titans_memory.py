@@ -94,6 +94,8 @@ class NeuralMemory(nn.Module):
             else None
         )
         self.gates = nn.Linear(cfg.dim, 3 * cfg.n_heads)
+        # Three scalar gates per head (θ, η, α), not a hidden map: AdamW, not Muon/M3.
+        self.vector_params = ("gates.weight",)
         nn.init.normal_(self.gates.weight, std=cfg.init_std)
         self.init_extra_parameters()
         hidden = cfg.smt_expansion * self.d_head

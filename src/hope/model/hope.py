@@ -109,11 +109,6 @@ class HopeBlockState:
 
     mixer: Any  # KVCache (hope_attention) | SMTState (hope)
     cms: list[LevelState]  # one per CMS level
-    # Mixer state of teach_pass's pass A (the θ0-CMS model, detached per piece), carried
-    # so that chained forward_teach calls equal one call; None: start from ``mixer``
-    # (fresh context, after a read-path / exact_online call, and always in the first
-    # layer, whose pass-A input is pass B's).
-    teach_mixer: Any = None
 
 
 class HopeBlock(nn.Module):

@@ -60,8 +60,10 @@ class MemorizeConfig:
         None = the model's own. SMT and Titans writes use no teach signal and no gate.
     online_chunk_size: tokens per ``forward_teach`` call; None = the model's grid (the
         smallest CMS period, lcm with the SMT memory chunk for ``hope``; the Titans
-        chunk; else 16). A multiple of that grid makes memorising equal one call over
-        the whole text; other sizes are still causal but shift the chunk grids.
+        chunk; else 16). At that grid, memorising a HOPE model is the online oracle
+        (``exact_online``: every C1 piece read with the Δ written so far, MECHANISMS
+        §8.3); a multiple of it runs ``teach_pass`` per chunk (δ from the chunk-start
+        weights); other sizes are still causal but shift the chunk grids.
     steps: passes over the text. steps > 1 is the non-causal "batch mode" for
         memorise-then-query tasks: every pass re-reads the text from the *starting
         context* (KV cache, conv tails, pending CMS tokens, position) and carries only
@@ -210,18 +212,12 @@ def _splice_block(old: Any, new: Any, layer: int, sel: _Selection) -> Any:
         )
         return dataclasses.replace(new, memory=memory)
     if isinstance(new, HopeBlockState):
-        teach_mixer = None
-        if old.teach_mixer is not None or new.teach_mixer is not None:
-            # Pass A's own mixer state (the θ0-CMS model); it starts from `mixer` when None.
-            old_teach = old.mixer if old.teach_mixer is None else old.teach_mixer
-            new_teach = new.mixer if new.teach_mixer is None else new.teach_mixer
-            teach_mixer = _splice_mixer(old_teach, new_teach, sel.mixer(layer))
         levels = [
             _splice_level(o, n, sel.cms(layer, i))
             for i, (o, n) in enumerate(zip(old.cms, new.cms, strict=True))
         ]
         mixer = _splice_mixer(old.mixer, new.mixer, sel.mixer(layer))
-        return HopeBlockState(mixer, levels, teach_mixer)
+        return HopeBlockState(mixer, levels)
     raise TypeError(f"memorize: unknown block state {type(new).__name__}")
 
 

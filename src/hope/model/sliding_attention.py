@@ -58,6 +58,8 @@ class PersistentAttention(CausalSelfAttention):
         self.window = window
         # Unit scale, like the RMS-normalized tokens they sit beside.
         self.persistent = nn.Parameter(torch.randn(n_persistent, dim)) if n_persistent else None
+        # Learned tokens [N_p, d], not a map between features: AdamW, not Muon/M3.
+        self.vector_params = ("persistent",) if n_persistent else ()
 
     def _heads(self, x: Tensor, pos: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [B, T, d] at positions pos.. -> q, q rotated, k rotated, v; each [B, H, T, D]."""

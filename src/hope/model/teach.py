@@ -6,25 +6,26 @@ fp64 model). The teach granularity is C1, the finest CMS period; every coarser p
 is a multiple of it, so every level boundary lies on the C1 grid.
 
 ``teach_pass`` (MECHANISMS §8.3b), two passes:
-  Pass A: the θ0-CMS model (CMS reading θ0, the context-start Δ = 0, never writing)
-    over the call cut into C1 pieces (aligned to the CMS grid, i.e. after the P pending
-    tokens of the state): each mixer runs ``forward_pieces`` from its detached state,
-    the same values as one call but no gradient path between pieces (attention reads
-    sg(K, V) outside each query's piece; the SMT detaches its conv taps and memories
-    where they would cross a piece, so its chunk sizes need not divide C1). The first
-    layer's mixer is upstream of every tap: pass A takes pass B's values for it. The
-    head's gradient is formed by hand (``head_signal``), then δ = autograd.grad of
-    the final norm's output onto the taps only, so no meta-parameter ``.grad`` is
-    touched. δ of piece m depends only on targets of piece m (≤ the
-    first token of piece m+1) and Δ_n (built from pieces < n) only on tokens ≤ n·C1:
-    exactly causal.
+  Pass A: the model at the start of the call, frozen: every CMS level reads
+    θ_s = θ0 + Δ_s (Δ_s = the carried state's Δ; θ0 on a fresh context) and never
+    writes, over the call cut into C1 pieces (aligned to the CMS grid, i.e. after the
+    P pending tokens of the state). Each mixer runs ``forward_pieces`` from the
+    carried (detached) mixer state: the same values as one call but no gradient path
+    between pieces (attention reads sg(K, V) outside each query's piece; the SMT
+    detaches its conv taps and memories where they would cross a piece, so its chunk
+    sizes need not divide C1). The first layer's mixer is upstream of every tap: pass
+    A takes pass B's values for it. The head's gradient is formed by hand
+    (``head_signal``), then δ = autograd.grad of the final norm's output onto the taps
+    only, so no meta-parameter ``.grad`` is touched. δ of piece m depends only on
+    targets of piece m (≤ the first token of piece m+1) and Δ_n (built from pieces
+    < n) only on tokens ≤ n·C1: exactly causal.
   Pass B: one full forward; each layer's CMS runs ``teach_forward`` with its δ
     (per-chunk θ0 + sg(Δ_n) in one batched read). Its logits and state are returned.
-  Approximation (as in Titans mini-batch GD): δ comes from θ0, not the online Δ.
-  Pass A is thus a model of its own (the θ0-CMS model); its mixer states (from the
-  second layer on) are carried across calls in ``HopeBlockState.teach_mixer``, so
-  chained calls split on the C1 grid (and, for SMT, on its C_m grid: it flushes a
-  partial chunk at every call end) equal one call exactly.
+  Approximation (as in Titans mini-batch GD): within a call δ comes from the
+    call-start weights θ_s, not from the online Δ_n; the base is refreshed at every
+    call. So a call of exactly one C1 piece *is* ``exact_online``, chained calls track
+    it, and under streaming or repeated memorisation δ sees what a level has already
+    written (reading θ0 there would let the dot objective grow Δ without bound).
 
 ``exact_online`` (the oracle, MECHANISMS §8.3a; SMT needs C1 on its C_m grid, since
 every piece is a call of its own): per piece, forward with the carried
@@ -78,9 +79,6 @@ class TeachSignal:
     """Pass-A output: per layer, per CMS level δ [B, T, d]; optional surprise inputs."""
 
     deltas: list[list[Tensor]]
-    # per layer: pass A's detached mixer state after the call; None for the first layer,
-    # whose pass-A state is pass B's (the same input, so the same values)
-    mixer_states: list[Any]
     token_loss: Tensor | None = None  # [B, T], only when the surprise metric needs it
     token_entropy: Tensor | None = None  # [B, T]
 
@@ -151,7 +149,8 @@ def teach_signal(
     piece-major, because nothing flows from a later layer back to an earlier one.
     The first layer's mixer lies upstream of every tap and sees the same embedding in
     both passes, so pass A needs only its values: pass B's (``first_mixed``) when
-    given, else one call without a graph. Its pass-A state is pass B's (None below).
+    given, else one call without a graph. Every level reads the call-start Δ of
+    ``state`` and every mixer starts from the carried mixer state.
     """
     pieces = PieceGrid(model.piece, state.blocks[0].cms[0].pending)
     blocks = model.hope_blocks()
@@ -162,17 +161,10 @@ def teach_signal(
         # A leaf that requires grad: taps stay differentiable even if θ is frozen.
         x = first_mixed.detach().requires_grad_(True)
         outputs: list[Tensor] = []
-        mixer_states: list[Any] = []
         for i, (block, block_state) in enumerate(zip(blocks, state.blocks, strict=True)):
             if i > 0:
-                start_state = block_state.teach_mixer
-                if start_state is None:
-                    start_state = block_state.mixer
-                x, mixer_state = block.mix_pieces(x, start_state, state.pos, pieces)
-                mixer_states.append(mixer_state)
-            else:
-                mixer_states.append(None)
-            x, taps = block.cms.read(x)  # θ0, no writes
+                x, _ = block.mix_pieces(x, block_state.mixer, state.pos, pieces)
+            x, taps = block.cms.read(x, block_state.cms)  # θ0 + Δ_s, no writes
             outputs.extend(tap.output for tap in taps)
         normed = model.norm(x)
         head = head_signal(model, normed, targets)
@@ -180,7 +172,7 @@ def teach_signal(
     n_levels = len(blocks[0].cms.levels)
     flat = [g.to(_teach_dtype(g.dtype)) for g in grads]
     deltas = [flat[i : i + n_levels] for i in range(0, len(flat), n_levels)]
-    return TeachSignal(deltas, mixer_states, head.token_loss, head.token_entropy)
+    return TeachSignal(deltas, head.token_loss, head.token_entropy)
 
 
 def teach_forward(
@@ -195,8 +187,8 @@ def teach_forward(
     ``first``: the first layer's (mixed x, mixer state), already computed."""
     x = model.embed(tokens)  # [B, T, d]
     new_states = []
-    for i, (block, block_state, teaches, teach_mixer) in enumerate(
-        zip(model.hope_blocks(), state.blocks, signal.deltas, signal.mixer_states, strict=True)
+    for i, (block, block_state, teaches) in enumerate(
+        zip(model.hope_blocks(), state.blocks, signal.deltas, strict=True)
     ):
         if i == 0 and first is not None:
             x, mixer_state = first
@@ -205,11 +197,7 @@ def teach_forward(
         x, cms_state = block.cms.teach_forward(
             x, teaches, block_state.cms, **signal.surprise_kwargs()
         )
-        new_states.append(
-            dataclasses.replace(
-                block_state, mixer=mixer_state, cms=cms_state, teach_mixer=teach_mixer
-            )
-        )
+        new_states.append(dataclasses.replace(block_state, mixer=mixer_state, cms=cms_state))
     return model.logits(x), LMState(new_states, state.pos + tokens.shape[1])
 
 
@@ -264,7 +252,7 @@ def exact_online_forward(
             mixers, logits = detach_state(mixers), logits.detach()
         piece_logits.append(logits)
     new_states = [
-        dataclasses.replace(s, mixer=m, cms=c, teach_mixer=None)
+        dataclasses.replace(s, mixer=m, cms=c)
         for s, m, c in zip(state.blocks, mixers, levels, strict=True)
     ]
     return torch.cat(piece_logits, dim=1), LMState(new_states, state.pos + tokens.shape[1])

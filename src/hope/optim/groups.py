@@ -1,8 +1,14 @@
 """Parameter partition for the matrix optimizers, and one optimizer made of several.
 
-MECHANISMS §6: Muon/M3 act on >=2-D weights that are not norms, embeddings or
-the LM head (tied or not); everything else (embeddings, head, norm gains,
-biases, gates, scalars) goes to AdamW. :class:`HybridOptimizer` presents such a
+MECHANISMS §6: Muon/M3 act on the weights that are linear maps between hidden
+features: >=2-D tensors that are not norms, embeddings or the LM head (tied or
+not), whose last two dims are both > 1, and that their module does not list in
+``vector_params`` (a module's tensors that are >=2-D but not maps: depthwise conv
+kernels, persistent tokens, the Titans gate projection to a few scalars per head).
+A >2-D matrix is a stack of matrices over its leading dims (per-head memory
+initial states [H, a, b]): each [a, b] is orthogonalised on its own, never the
+flattened (H, a·b). Everything else (embeddings, head, norm gains, biases, gates,
+scalars, vectors) goes to AdamW. :class:`HybridOptimizer` presents such a
 pair as a single ``torch.optim.Optimizer`` so LR schedulers, ``zero_grad`` and
 checkpointing treat it like any other optimizer.
 """
@@ -23,6 +29,9 @@ from hope.config import ConfigError
 # Modules whose parameters never go to the matrix group. The untied output head is
 # excluded by name, as in Muon practice: its update must follow the logits' scale.
 HEAD_NAMES = ("lm_head",)
+# A module attribute: names (relative to the module) of its >=2-D parameters that
+# are not linear maps and so belong to AdamW.
+VECTOR_PARAMS_ATTR = "vector_params"
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 _NORM_NAME = re.compile(r"Norm(\d+d)?$")  # RMSNorm, BatchNorm1d, InstanceNorm2d, ...
 
@@ -56,13 +65,16 @@ def partition_params(model: nn.Module) -> ParamPartition:
             or name.rsplit(".", 1)[-1] in HEAD_NAMES
         ):
             excluded |= {id(p) for p in module.parameters(recurse=False)}
+        for vector_name in getattr(module, VECTOR_PARAMS_ATTR, ()):
+            excluded.add(id(module.get_parameter(vector_name)))
     # A tied head shares the embedding tensor, so its id is already excluded, and
     # named_parameters() lists a shared tensor only once.
     part = ParamPartition(embedding_ids=embedding_ids)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        target = part.other if param.ndim < 2 or id(param) in excluded else part.matrix
+        is_map = param.ndim >= 2 and min(param.shape[-2:]) > 1 and id(param) not in excluded
+        target = part.matrix if is_map else part.other
         target.append((name, param))
     return part
 

@@ -1,7 +1,8 @@
 """Newton–Schulz orthogonalisation used by M3 (MECHANISMS §6, NL-arXiv Alg. 1).
 
 M3 uses the classic cubic iteration: X0 = G / ||G||_F, then
-X <- ½ X (3I − XᵀX), T times, on G reshaped to (shape[0], −1). Each step maps
+X <- ½ X (3I − XᵀX), T times, on G (a 2-D G as written; a per-head stack
+[H, a, b] head by head, where the spec's reshape to (shape[0], −1) would mix heads). Each step maps
 every singular value s of X to ½ s (3 − s²), which drives s in (0, √3) towards 1,
 so X tends to the polar factor U Vᵀ of G = U S Vᵀ. Dividing by the Frobenius
 norm puts every s in (0, 1]; small ones grow by only ×1.5 per step, so with the
@@ -17,12 +18,16 @@ import torch
 
 
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    """View a >=2-D parameter as the matrix (shape[0], prod(rest)) that NS acts on."""
+    """The matrices NS acts on: a 2-D parameter as itself; a >2-D one as the stack
+    [prod(leading), a, b] of its last two dims (per-head weights [H, a, b] stay H
+    separate matrices; flattening to (H, a·b) would mix the heads)."""
     if tensor.ndim < 2:
         raise ValueError(
             f"Newton–Schulz needs a tensor with >= 2 dims, got shape {tuple(tensor.shape)}"
         )
-    return tensor.reshape(tensor.shape[0], -1)
+    if tensor.ndim == 2:
+        return tensor
+    return tensor.reshape(-1, *tensor.shape[-2:])
 
 
 def cubic_iteration(x: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
@@ -42,11 +47,11 @@ def cubic_iteration(x: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Ten
 
 
 def newton_schulz_cubic(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
-    """NS_T(G): T cubic Newton–Schulz steps on G reshaped to (shape[0], -1).
+    """NS_T(G): T cubic Newton–Schulz steps on each matrix of G (``as_matrix``).
 
     Returns a tensor of G's shape and dtype. Works in fp32 (fp64 for fp64 input);
     a zero G gives zero (the norm is clamped by ``eps``). Sync-free.
     """
-    matrix = as_matrix(update)  # [m, n]
+    matrix = as_matrix(update)  # [m, n] or [heads, m, n]
     work = torch.float64 if matrix.dtype == torch.float64 else torch.float32
     return cubic_iteration(matrix.to(work), steps, eps).reshape(update.shape).to(update.dtype)
