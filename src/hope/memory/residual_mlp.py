@@ -237,6 +237,50 @@ def curvature_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
     return _curvature(w1, k, _hidden(w2, k))
 
 
+def _kernel(act: Tensor, slope: Tensor, w1: Tensor, k: Tensor) -> Tensor:
+    """``chunk_kernel_bound`` from the hidden layer at k (act/slope [B, H, C, h_m])."""
+    _, _, back_sq, _ = _curvature_terms(act, slope, w1, k)
+    back = back_sq.sqrt()
+    act_gram = (act @ act.transpose(-1, -2)).abs()
+    key_gram = (k @ k.transpose(-1, -2)).abs()
+    return act_gram + key_gram * (back.unsqueeze(-1) * back.unsqueeze(-2))
+
+
+def chunk_kernel_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
+    """Entrywise bound [B, H, C, C] on ||J_t J_s^T||_2 between the tokens of a chunk.
+
+    J_t J_s^T = (a_t . a_s) I + (k_t . k_s) W1 G_t G_s W1^T (notation of
+    ``curvature_bound``), so its norm is at most |a_t . a_s| + |k_t . k_s| n_t n_s with
+    n_t = ||W1 G_t||_F; the diagonal is ``curvature_bound``. Shared directions among a
+    chunk's keys and hidden activations show up as large off-diagonal entries: the
+    coupling of the chunk's stale gradient steps (Ti eq. 16; NL-arXiv eq. 90).
+    """
+    hid = _hidden(w2, k)
+    return _kernel(hid.act, hid.slope, w1, k)
+
+
+def perron_bound(matrix: Tensor, iterations: int = 4) -> Tensor:
+    """Upper bound [...] on the spectral norm of a symmetric matrix [..., n, n] with
+    entries >= 0: max_i (A x)_i / x_i for any x > 0 (Collatz-Wielandt), with x from a
+    few power iterations from the ones vector, so the bound is nearly tight."""
+    x = torch.ones_like(matrix[..., 0])
+    for _ in range(iterations):
+        x = (matrix @ x.unsqueeze(-1)).squeeze(-1)
+        x = x / x.amax(-1, keepdim=True).clamp_min(1e-30) + 1e-12  # stays > 0
+    ax = (matrix @ x.unsqueeze(-1)).squeeze(-1)
+    return (ax / x).amax(-1)
+
+
+def overshoot_ratio(kernel: Tensor, step: Tensor) -> Tensor:
+    """rho [B, H] = 2 ||diag(sqrt(step)) K diag(sqrt(step))||_2 bounded by ``perron_bound``.
+
+    Linearised, a chunk's writes with per-token steps ``step`` [B, H, C] taken at the
+    chunk-start weights move the predictions at its keys by -2 J diag(step) J^T e:
+    no error grows while rho <= 1 (K = ``chunk_kernel_bound`` >= ||J_t J_s^T||)."""
+    root = step.clamp_min(0.0).sqrt()
+    return 2.0 * perron_bound(root.unsqueeze(-1) * kernel * root.unsqueeze(-2))
+
+
 @dataclass
 class ChunkPass:
     """One evaluation of a memory at its chunk-start weights on [v | k | q] (each C
@@ -247,6 +291,8 @@ class ChunkPass:
     factors: GradFactors
     curvature: Tensor  # [B, H, C]  ``curvature_bound`` at k
     read: Tensor | None  # [B, H, C, d_out]  M(q), when queries were given
+    # [B, H, C, C] ``chunk_kernel_bound`` at k, without a graph (a stabiliser's input)
+    coupling: Tensor
 
 
 def chunk_pass(
@@ -272,7 +318,8 @@ def chunk_pass(
     target, pred, *read = out.split(chunk, dim=2)  # read: [M(q)] or []
     hid = _Hidden(pre_k, act_k, gelu_derivative(pre_k))
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
-    return ChunkPass(target, factors, _curvature(w1, k, hid), read[0] if read else None)
+    coupling = _kernel(hid.act.detach(), hid.slope.detach(), w1.detach(), k.detach())
+    return ChunkPass(target, factors, _curvature(w1, k, hid), read[0] if read else None, coupling)
 
 
 class MemoryInit(nn.Module):

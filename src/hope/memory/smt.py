@@ -44,6 +44,7 @@ from hope.memory.residual_mlp import (
     Residual,
     chunk_pass,
     mlp_apply,
+    overshoot_ratio,
 )
 from hope.model.config import ModelConfig
 
@@ -263,19 +264,20 @@ class SelfModifyingTitans(nn.Module):
         return mlp_apply(fast.w1[:, first:], fast.w2[:, first:], q, True)
 
     @staticmethod
-    def _bounded_eta(eta: Tensor, curvature: Tensor) -> Tensor:
-        """eta_t / (1 + C eta_t lambda_t): the inner step of eq. 88 with a curvature bound.
+    def _bounded_eta(eta: Tensor, coupling: Tensor) -> Tensor:
+        """eta_t / (1 + rho): the inner step of eq. 88 with an overshoot bound.
 
-        A chunk applies C gradients taken at its start state (eq. 90). When its keys
-        share a direction they add up and move M(k) by up to C eta lambda times the
-        error, lambda = ||J J^T|| the memory's curvature at k (``curvature_bound``);
-        past 1 the write overshoots, and the self-generated targets v_hat = M(v) then
-        grow with it (seen as NaN after ~100 outer steps of the tiny preset). The
-        bound keeps C eta lambda < 1 and leaves eta unchanged while C eta lambda << 1
-        (at init: eta ~ 1e-3, lambda ~ 1-10). A deviation; docs/FAITHFULNESS.md.
+        A chunk applies C gradients taken at its start state (eq. 90). Where its keys
+        and hidden activations share directions these add up: linearised, the writes
+        move M(k) by -2 J diag(eta) J^T e, and past rho = ``overshoot_ratio`` = 1 they
+        overshoot, the self-generated targets v_hat = M(v) then growing with them
+        (seen as NaN after ~100 outer steps of the tiny preset). Dividing by 1 + rho
+        (rho from the chunk's own ``chunk_kernel_bound``, without a graph) keeps the
+        ratio below 1 and leaves eta unchanged while rho << 1. A deviation;
+        docs/FAITHFULNESS.md.
         """
-        chunk = eta.shape[2]
-        return eta / (1.0 + chunk * eta * curvature)
+        rho = overshoot_ratio(coupling, eta.detach())  # [B, H]
+        return eta / (1.0 + rho.unsqueeze(-1))
 
     def _write(
         self, fast: FastWeights, group: _Group, gen: _Generated, backend: str, read: bool = False
@@ -294,7 +296,7 @@ class SelfModifyingTitans(nn.Module):
             self.cfg.smt_objective, residual,
         )  # fmt: skip
         new = dgd_write(
-            fast, k, step.target, self._bounded_eta(eta, step.curvature), alpha,
+            fast, k, step.target, self._bounded_eta(eta, step.coupling), alpha,
             objective=self.cfg.smt_objective, residual=residual,
             precondition=self.cfg.smt_precondition, momentum=self.cfg.smt_momentum,
             backend=backend, factors=step.factors,

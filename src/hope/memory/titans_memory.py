@@ -9,8 +9,9 @@ per-sample fast state. Inner loss ||M(k_t) - v_t||^2 (Ti eq. 12); update
 
 with data-dependent gates eta, alpha = sigmoid(linear(x)) per head and token.
 Deviation (stabiliser): theta_t = theta_max sigmoid(linear(x_t)) / max(1, lambda_t),
-theta_max = 1 / (C (C + 1)) and lambda_t >= the Gauss-Newton curvature of the
-memory at k_t, so a chunk of C stale gradients never overshoots (``max_step``).
+lambda_t >= the Gauss-Newton curvature of the memory at k_t and theta_max per chunk
+from the coupling of the chunk's keys and hidden activations, so a chunk of C stale
+gradients never overshoots (``chunk_step_cap``).
 Chunked training (Ti eqs. 16-18): every gradient of a chunk of
 ``titans_chunk`` tokens is taken at the chunk-start weights; momentum and decay
 across its tokens are applied in closed form (``ops/chunk.py``).
@@ -32,35 +33,50 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
+from hope.memory.ops.chunk import momentum_chunk_weights
 from hope.memory.ops.dispatch import compiled, momentum_write, resolve_backend
-from hope.memory.residual_mlp import FastWeights, MemoryInit, curvature_bound, mlp_apply
+from hope.memory.residual_mlp import (
+    FastWeights,
+    MemoryInit,
+    chunk_kernel_bound,
+    curvature_bound,
+    mlp_apply,
+    overshoot_ratio,
+)
 from hope.model.config import ModelConfig
 
 # Gate values at init (the paper gives none): theta at half its cap (a
-# fraction of ``max_step``), a long surprise momentum eta ~ 0.9 and a slow
+# fraction of ``chunk_step_cap``), a long surprise momentum eta ~ 0.9 and a slow
 # forgetting alpha ~ 0.005 per token.
 _GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
 
 
-def max_step(chunk: int) -> float:
-    """Cap theta_max = 1 / (C (C + 1)) of the inner step for chunks of C tokens.
+def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor) -> Tensor:
+    """Cap theta_max [B, H, 1] of a chunk's inner steps theta_s = theta_max sigma_s / lambda_s.
 
-    Chunked training (Ti eq. 16) takes all C gradients of a chunk at the
-    chunk-start weights M_{t'}; with momentum (Ti eq. 18) the gradient of token
-    s reaches the chunk-end weights with weight theta_s sum_{j>=s} prod eta,
-    at most (C - s + 1) theta. When the chunk's keys share a direction (MAC
-    writes attention outputs, nearly constant within a segment: mean cos^2 to
-    the chunk-mean key ~ 0.85 at init), these stale steps add up instead of
-    correcting each other, and M(k) moves along that direction by up to
-    C (C + 1) / 2 * theta * 2 J J^T, 2 J J^T being the curvature of
-    ||M(k) - v||^2 (Ti eq. 12). With the step divided by ``curvature_bound``
-    (>= ||J J^T||) that is <= C (C + 1) theta, so theta <= theta_max keeps it
-    <= 1: no overshoot, whatever eta and alpha. The momentum carried into later
-    chunks is a heavy ball with beta = prod eta < 1, stable for steps < 2.
-    Before (theta = sigmoid ~ 0.05, unnormalised, C = 16) the chunk step was
-    ~ 4 lambda with lambda ~ 2-10, and titans_mac was NaN after 80 tokens.
+    Chunked training (Ti eq. 16) takes all C gradients of a chunk at the chunk-start
+    weights; with momentum (Ti eq. 18) token s's step reaches the chunk-end weights
+    with weight w_s (``momentum_chunk_weights``, about 1/(1 - eta)). Linearised, the
+    write moves the predictions at the chunk's keys by -2 theta_max J C J^T e with
+    C = diag(sigma_s w_s / lambda_s): it cannot overshoot (no error grows) while
+    2 theta_max ||C^1/2 (J J^T) C^1/2|| <= 1. The kernel J_t J_s^T is bounded entrywise
+    by ``chunk_kernel_bound`` K >= 0, whose spectral norm bounds that of the block
+    kernel; with sigma <= 1 that gives theta_max = 1 / max(1, rho),
+    rho = 2 ||diag(sqrt(w/lambda)) K diag(sqrt(w/lambda))||_2 (``perron_bound``).
+
+    Tight only when it must be: keys sharing one direction (MAC writes attention
+    outputs, nearly constant within a segment) give rho ~ C w, the worst case; spread
+    keys give a far smaller rho. A stabiliser, so the outer gradient treats it as a
+    constant (like gradient clipping). Before any cap (theta = sigmoid ~ 0.05,
+    unnormalised, C = 16) titans_mac was NaN after 80 tokens; the fixed worst-case
+    cap 1 / (C (C + 1)) that followed lowered the inner loss of a written chunk by
+    only 0.3% at the pilot chunk C = 64.
     """
-    return 1.0 / (chunk * (chunk + 1))
+    w1, w2, k, eta, keep = (t.detach() for t in (w1, w2, k, eta, keep))
+    kernel = chunk_kernel_bound(w1, w2, k)  # [B, H, C, C]
+    curvature = kernel.diagonal(dim1=-2, dim2=-1).clamp_min(1.0)
+    rho = overshoot_ratio(kernel, momentum_chunk_weights(eta, keep) / curvature)  # [B, H]
+    return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
 
 
 @dataclass
@@ -182,11 +198,12 @@ class NeuralMemory(nn.Module):
         q, k, v [B, H, C, d_h], gates [B, H, C]."""
         read = mlp_apply(fast.w1, fast.w2, q, residual=True)
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
-        # a deviation that keeps the chunked write stable (see ``max_step``). For
-        # a linear memory with unit keys lambda_t = ||k_t||^2 = 1 (the paper's rule).
+        # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
+        keep = 1.0 - alpha
         curvature = curvature_bound(fast.w1, fast.w2, k).clamp_min(1.0)
-        step = max_step(self.cfg.titans_chunk) * theta / curvature
+        cap = chunk_step_cap(fast.w1, fast.w2, k, eta, keep)
+        step = cap * theta / curvature
         fast = momentum_write(
-            fast, k, v, step, eta, 1.0 - alpha, objective="l2", residual=True, backend=backend
+            fast, k, v, step, eta, keep, objective="l2", residual=True, backend=backend
         )
         return fast, read

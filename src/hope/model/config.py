@@ -51,6 +51,12 @@ class ModelConfig:
     smt_mem_chunk: int = 16
     smt_expansion: int = 2
     smt_objective: Literal["l2", "dot"] = "l2"
+    # eta = scale * softplus(M_eta(x)); NL-arXiv eq. 83 has no scale. A deviation
+    # kept for the retention invariant: eq. 88's preconditioner W2(aI - eta k k^T)
+    # erases W2 along every written key, and over 2,048 tokens at init a scale of
+    # 1e-2 already takes ||W2|| to 0.43 (d 128) / 0.12 (d 16) of its init, 0.1 to
+    # ~0.01; 1e-3 keeps 0.63 / 0.56, but a write then lowers M_mem's loss on its own
+    # chunk by only ~0.2% (2% at 1e-2, 9-27% at 0.1-1). docs/FAITHFULNESS.md.
     smt_eta_scale: float = 1e-3
     # Per-token retention at init. MECHANISMS asks for sigmoid ~0.99-0.999 *and*
     # bounded norms over 2,048 tokens; pure decay gives 0.999^2048 ~ 0.13, so we

@@ -105,6 +105,25 @@ def chunk_dgd_update(
     return hom1 + m1_new, hom2 + m2_new, m1_new, m2_new
 
 
+def _chunk_end_weights(log_b: Tensor, log_a: Tensor) -> Tensor:
+    """w_s = sum_{j>=s} (a_C/a_j)(b_j/b_s) [B, H, C] from log b_t, log a_t [B, H, C]."""
+    n = log_b.shape[-1]
+    lower = torch.ones(n, n, dtype=torch.bool, device=log_b.device).tril()  # j >= s
+    # log[(a_C/a_j)(b_j/b_s)] indexed [j, s]
+    logit = (log_a[..., -1:] - log_a + log_b).unsqueeze(-1) - log_b.unsqueeze(-2)
+    logit = torch.where(lower, logit, torch.zeros_like(logit))
+    return torch.where(lower, torch.exp(logit), torch.zeros_like(logit)).sum(-2)
+
+
+def momentum_chunk_weights(eta: Tensor, keep: Tensor) -> Tensor:
+    """How much of token s's gradient reaches the chunk-end weights per unit step:
+    w_s = sum_{j>=s} (a_C/a_j)(b_j/b_s) [B, H, C] (``chunk_momentum_update``); at most
+    C - s + 1, about 1/(1 - eta) for a constant momentum decay eta."""
+    log_b = torch.cumsum(torch.log(eta), dim=-1)
+    log_a = torch.cumsum(torch.log(keep), dim=-1)
+    return _chunk_end_weights(log_b, log_a)
+
+
 def chunk_momentum_update(
     w1: Tensor,
     w2: Tensor,
@@ -131,13 +150,7 @@ def chunk_momentum_update(
     """
     log_b = torch.cumsum(torch.log(eta), dim=-1)  # log b_t
     log_a = torch.cumsum(torch.log(keep), dim=-1)  # log a_t
-    n = eta.shape[-1]
-    lower = torch.ones(n, n, dtype=torch.bool, device=eta.device).tril()  # j >= s
-    # log[(a_C/a_j)(b_j/b_s)] indexed [j, s]
-    logit = (log_a[..., -1:] - log_a + log_b).unsqueeze(-1) - log_b.unsqueeze(-2)
-    logit = torch.where(lower, logit, torch.zeros_like(logit))
-    pair = torch.where(lower, torch.exp(logit), torch.zeros_like(logit))
-    weight_w = pair.sum(-2) * theta  # [B, H, C]: w_s theta_s
+    weight_w = _chunk_end_weights(log_b, log_a) * theta  # [B, H, C]: w_s theta_s
     carry = torch.exp(log_a[..., -1:] - log_a + log_b).sum(-1)[..., None, None]  # c
     weight_s = torch.exp(log_b[..., -1:] - log_b) * theta  # (b_C/b_s) theta_s
     b_end = torch.exp(log_b[..., -1])[..., None, None]
