@@ -47,6 +47,16 @@ SMALL_RUN = {
     ("tokenizer", "vocab_size"): 512,
     ("eval", "max_batches"): 2,
     ("eval", "passkey_trials"): 2,
+    ("bench", "variants"): ["transformer"],
+    ("bench", "shapes"): ["tiny"],
+    ("bench", "warmup"): 0,
+    ("bench", "steps"): 1,
+    # The stand-in cluster runs its jobs side by side on this machine's cores: one
+    # torch thread per job (spinning OpenMP threads of parallel jobs would thrash),
+    # and two for the tokenizer rules, so --cpus-per-task is seen to follow params.
+    ("train", "num_threads"): 1,
+    ("bench", "num_threads"): 1,
+    ("tokenizer", "num_threads"): 2,
 }
 
 

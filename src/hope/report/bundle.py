@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from hope.cli import StageError
 from hope.config import Config, config_from_dict, save_config
-from hope.io import atomic_write_json, atomic_write_text, sha256_file
+from hope.io import atomic_write, atomic_write_json, atomic_write_text, sha256_file
 from hope.report.environment import collect_environment
 
 WEIGHTS = "model.safetensors"
@@ -84,12 +84,29 @@ def split_shared(
     return tensors, aliases
 
 
+def canonical_safetensors(blob: bytes) -> bytes:
+    """The same safetensors file with its JSON header in one canonical form.
+
+    The writer serialises ``__metadata__`` from a hash map whose order changes from
+    one save to the next, so the same tensors and metadata gave different bytes (and
+    hashes). Keys are sorted here and the header re-padded with spaces to 8 bytes;
+    tensor offsets are relative to the data section, which is left untouched.
+    """
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + size :]
+
+
 def save_weights(model: nn.Module, path: Path, metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``model.state_dict()`` to safetensors (CPU tensors, tied entries deduplicated)."""
+    """Write ``model.state_dict()`` to safetensors (CPU tensors, tied entries deduplicated),
+    byte-identical for identical weights and metadata."""
     cpu_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     tensors, aliases = split_shared(cpu_state)
     meta = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True), **(metadata or {})}
-    save_file(tensors, str(path), metadata=meta)
+    blob = canonical_safetensors(save(tensors, metadata=meta))
+    atomic_write(Path(path), lambda tmp: tmp.write_bytes(blob))
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
