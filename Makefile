@@ -26,5 +26,7 @@ lint: setup
 	ruff check src stages tests
 	mypy
 
+# One pytest worker per core (at most 8), each at one torch thread, one file per
+# worker (tests/conftest.py).
 test: lint
-	pytest -q --durations=15
+	pytest -q --numprocesses auto --maxprocesses 8 --dist loadfile --durations=15

@@ -1,4 +1,10 @@
-"""Shared fixtures: a clean copy of the repository for end-to-end pipeline runs."""
+"""Shared fixtures: a clean copy of the repository for end-to-end pipeline runs.
+
+`make test` runs the suite on every core with pytest-xdist (`--dist loadfile`):
+each worker is pinned to one torch thread, so the workers share the machine
+without oversubscribing it, and each test file runs on one worker, so the
+end-to-end pipeline tests share one `dvc repro` (the `dvc_repo` fixture).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,56 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# Set by pytest-xdist in its workers; more than one worker shares the cores.
+PARALLEL = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+
+# The run CI's `make repro` builds: the default params (tiny preset, hope) with a
+# short training and a cut-down eval and bench, one torch thread per process.
+# Everything else (data, tokenizer, model, optimizer, every stage) is the default.
+CI_RUN = {
+    ("train", "steps"): 30,
+    ("train", "batch_size"): 8,
+    ("train", "num_threads"): 1,
+    ("train", "val_every"): 10,
+    ("train", "checkpoint_every"): 10,
+    ("eval", "max_batches"): 4,
+    ("eval", "passkey_trials"): 4,
+    ("bench", "variants"): ["transformer", "hope"],
+    ("bench", "shapes"): ["tiny"],
+    ("bench", "warmup"): 1,
+    ("bench", "steps"): 2,
+    ("bench", "num_threads"): 1,
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_worker() -> Iterator[None]:
+    """Under xdist, every test starts (and leaves) its worker at one torch thread: a
+    stage run in-process sets the params' count, which must not outlive the test."""
+    if PARALLEL:
+        torch.set_num_threads(1)
+    yield
+    if PARALLEL:
+        torch.set_num_threads(1)
+
+
+def set_params(repo: Path, values: Mapping[tuple[str, str], object]) -> None:
+    """Set ``(section, key) -> value`` in the copy's params.yaml; every key must exist."""
+    path = repo / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for (section, key), value in values.items():
+        assert key in params[section], f"params.yaml lacks {section}.{key}"
+        params[section][key] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def pipeline_env(home: Path) -> dict[str, str]:
@@ -29,7 +79,7 @@ def pipeline_env(home: Path) -> dict[str, str]:
         GIT_COMMITTER_NAME="ci",
         GIT_COMMITTER_EMAIL="ci@example.invalid",
         XDG_CACHE_HOME=str(home / "xdg-cache"),
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
+        OMP_NUM_THREADS="1" if PARALLEL else env.get("OMP_NUM_THREADS", "2"),
     )
     return env
 
@@ -89,8 +139,11 @@ def run(cmd: list[str], cwd: Path, timeout: float = 2400) -> subprocess.Complete
 
 @pytest.fixture(scope="session")
 def dvc_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A repository copy on which `dvc repro` has run once (shared by the slow tests)."""
+    """A repository copy on which the README's main command has run once, on the
+    params of :data:`CI_RUN` (shared by the slow tests)."""
     repo = copy_repo(tmp_path_factory.mktemp("dvc") / "repo")
+    set_params(repo, CI_RUN)
+    run(["git", "commit", "-qam", "CI run params"], repo)
     # The README's main command, pointed at the venv running these tests. `-o` keeps
     # make from re-running its install step (which would re-point this venv's
     # editable install at the temporary copy); CI's `make test` has just installed it.

@@ -1,4 +1,8 @@
-"""End to end: `dvc repro` on the tiny preset, re-run, experiments, metrics diff, Snakemake."""
+"""End to end: `dvc repro` on the tiny preset, re-run, experiments, metrics diff, Snakemake.
+
+All of them share the one run of the `dvc_repo` fixture (conftest.CI_RUN); under
+pytest-xdist a file runs on one worker, so that run happens once.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import copy_repo, run
+from conftest import CI_RUN, copy_repo, run, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +31,12 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
     header = rows[0].split("\t")
     losses = [float(r.split("\t")[header.index("train_loss")]) for r in rows[1:]]
     assert losses[-1] < losses[0] - 1.0, "training loss must go down"
+    # 30 short steps learn the token statistics (a uniform guess is ln V); beating the
+    # unigram entropy takes the default run (README: 5.42 against 6.24 at 250 steps).
+    resolved = yaml.safe_load((dvc_repo / "models/checkpoints/config.yaml").read_text())
     assert math.isfinite(evaluation["val"]["loss"])
-    assert evaluation["val"]["loss"] < evaluation["val"]["unigram_entropy"] - 0.5
-    assert (
-        train["steps"]
-        == yaml.safe_load((dvc_repo / "models/checkpoints/config.yaml").read_text())["train"][
-            "steps"
-        ]
-    )
+    assert evaluation["val"]["loss"] < math.log(resolved["model"]["vocab_size"]) - 1.5
+    assert train["steps"] == resolved["train"]["steps"] == CI_RUN[("train", "steps")]
     for name in ("loss.png", "passkey.png", "lr.png"):
         assert (dvc_repo / "reports/plots" / name).stat().st_size > 1000
     for stage_config in ("data/raw", "data/tokenizer", "data/shards"):
@@ -65,7 +67,7 @@ def test_plots_render_as_json(dvc_repo: Path) -> None:
 
 
 # The ablation of test_experiment_...: short enough to be re-run by Snakemake below.
-EXPERIMENT_STEPS = 60
+EXPERIMENT_STEPS = 20
 # Artifacts that must be byte-identical between two runs of the same params on one
 # machine kind, whatever the orchestrator (README "Reproducibility").
 SAME_BYTES = (
@@ -120,19 +122,16 @@ def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
     experiment: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Same params (the experiment's), same machine: Snakemake rebuilds DVC's numbers
-    exactly. The bench's own knobs are cut down (its timings are not compared)."""
+    exactly (the bench's timings are not compared)."""
     repo = copy_repo(tmp_path_factory.mktemp("smk") / "repo")
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["train"]["steps"] = EXPERIMENT_STEPS
-    params["bench"].update(steps=1, warmup=0, shapes=["tiny"])
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_params(repo, {**CI_RUN, ("train", "steps"): EXPERIMENT_STEPS})
     run(["snakemake", "--cores", "2"], repo)
     for rel in SAME_BYTES:
         assert (repo / rel).read_bytes() == (experiment / rel).read_bytes(), rel
     ours, theirs = _json(repo / "reports/eval.json"), _json(experiment / "reports/eval.json")
     assert ours["val"] == theirs["val"] and ours["passkey"] == theirs["passkey"]
     assert ours["runtime"] == theirs["runtime"]
-    assert ours["runtime"]["num_threads"] == 2
+    assert ours["runtime"]["num_threads"] == CI_RUN[("train", "num_threads")]
     assert _losses(repo) == _losses(experiment)
     ours, theirs = _json(repo / "reports/train.json"), _json(experiment / "reports/train.json")
     for key in ("train_loss", "val_loss", "steps", "tokens_seen", "params", "runtime"):

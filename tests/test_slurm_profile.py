@@ -22,18 +22,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, copy_repo, pipeline_env
+from conftest import ROOT, copy_repo, pipeline_env, set_params
 from hope.config import load_config
 
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 PROFILE = ROOT / "configs" / "slurm" / "config.yaml"
-# The README command, plus one test-only knob: the plugin waits 40 s between
-# status checks by default, which would make six dependent jobs take minutes.
+# The README command, plus two test-only knobs: the plugin waits 40 s before its
+# first status check and 10 s between checks, which would make seven dependent
+# jobs spend minutes waiting.
 COMMAND = [
     "snakemake",
     "--profile",
     "configs/slurm",
     "--slurm-init-seconds-before-status-checks",
+    "1",
+    "--seconds-between-status-checks",
     "1",
 ]
 TIMEOUT_S = 240
@@ -58,16 +61,6 @@ SMALL_RUN = {
     ("bench", "num_threads"): 1,
     ("tokenizer", "num_threads"): 2,
 }
-
-
-def _shrink_params(repo: Path) -> None:
-    """Set a tiny run in the copy's params.yaml, only changing keys it already has."""
-    path = repo / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    for (section, key), value in SMALL_RUN.items():
-        assert key in params[section], f"params.yaml lacks {section}.{key}"
-        params[section][key] = value
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def _submitted_rules() -> list[str]:
@@ -199,7 +192,7 @@ def test_fake_sbatch_reports_the_job_exit_code(
 @pytest.mark.slow
 def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     repo = copy_repo(tmp_path / "repo")
-    _shrink_params(repo)
+    set_params(repo, SMALL_RUN)
     log, state = tmp_path / "fake_slurm.log", tmp_path / "fake_slurm_state"
     result = _run_snakemake(repo, log, state)
     print(result.stdout[-3000:])
