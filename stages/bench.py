@@ -1,9 +1,10 @@
 """python stages/bench.py [--params params.yaml] [--set bench.steps=5 ...]
 
 Time one full training step (forward, backward, AdamW) of every variant in
-bench.variants at the tiny and smoke shapes on seeded random tokens: tokens/s,
-step time, peak memory, host syncs per step, parameters, estimated FLOPs per
-token and MFU, each relative to the transformer, plus the machine they ran on:
+bench.variants at the bench.shapes (tiny, smoke, pilot_chunks) on seeded random
+tokens: tokens/s, step time, peak memory, host syncs and kernel launches per step,
+parameters, estimated FLOPs per token and MFU, each relative to the transformer,
+plus the machine they ran on:
 reports/bench.json (a DVC metric; compare runs with `dvc metrics diff`).
 """
 

@@ -17,7 +17,7 @@ import torch
 import hope
 from hope.bench import flops
 from hope.bench import run as bench_run
-from hope.bench.measure import count_host_syncs
+from hope.bench.measure import LaunchCounter, count_host_syncs
 from hope.config import Config, ConfigError, load_config
 from hope.memory.ops import dispatch
 
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
 ROW_KEYS = {
     "tokens_per_s", "step_ms", "step_ms_min", "peak_mem_mb", "mem_baseline_mb",
-    "host_syncs_per_step", "params", "flops_per_token", "achieved_gflops_per_s", "mfu",
+    "host_syncs_per_step", "launches_per_step", "params", "flops_per_token",
+    "achieved_gflops_per_s", "mfu",
     "loss", "precision", "relative_to_transformer", "step_time_ratio_vs_transformer",
 }  # fmt: skip
 SMALL = (
@@ -51,8 +52,9 @@ def test_report_rows_are_finite_positive_and_relative_to_transformer(tmp_path: P
             assert math.isfinite(row[key]) and row[key] > 0, (variant, key)
         assert row["mfu"] is None and row["precision"] == "fp32"  # CPU: no bf16 peak
         assert row["tokens_per_s"] == pytest.approx(2 * 16 / (row["step_ms"] / 1e3))
-        assert row["host_syncs_per_step"] == 0
+        assert row["host_syncs_per_step"] == 0 and row["launches_per_step"] > 100
     base, other = rows["transformer"], rows["hope_attention"]
+    assert other["launches_per_step"] > base["launches_per_step"]
     assert base["relative_to_transformer"] == 1.0
     assert base["step_time_ratio_vs_transformer"] == 1.0
     assert other["relative_to_transformer"] == other["tokens_per_s"] / base["tokens_per_s"]
@@ -183,6 +185,46 @@ def test_smoke_shape_is_valid_for_every_bench_variant() -> None:
         assert model.embed.weight.shape == (32_000, 128), variant
 
 
+def test_pilot_chunks_shape_is_the_pilot_chunking_in_one_small_layer() -> None:
+    cfg = load_config(PARAMS)
+    pilot = load_config(PARAMS, ["preset=pilot"]).model
+    shape = bench_run.bench_shape(cfg, "pilot_chunks")
+    assert (shape.seq_len, shape.batch_size, shape.model.n_layers) == (1024, 1, 1)
+    for key in ("cms_periods", "smt_chunk", "smt_mem_chunk", "smt_expansion", "titans_chunk"):
+        assert getattr(shape.model, key) == getattr(pilot, key), key
+    assert shape.model.dim // shape.model.n_heads == pilot.dim // pilot.n_heads
+    for variant in cfg.bench.variants:
+        hope.build_model(dataclasses.replace(shape.model, variant=variant))  # type: ignore[arg-type]
+
+
+def test_launch_counter_counts_kernels_not_views_or_allocations() -> None:
+    x = torch.randn(4, 4)
+    with LaunchCounter() as launches:
+        y = x.view(16).add(1).mul(2)  # a view, then two kernels
+        y.t() if y.dim() == 2 else y.unsqueeze(0).transpose(0, 1)  # views only
+        torch.empty(3, 3)  # an allocation, no kernel
+        x.exp_().sum()  # two kernels
+    assert launches.count == 4
+
+
+def _step_launches(variant: str, seq_len: int) -> int:
+    cfg = small_cfg(f"model.variant={variant}", "model.smt_chunk=4", "model.smt_mem_chunk=4")
+    torch.manual_seed(0)
+    model = hope.build_model(cfg.model)
+    tokens = torch.randint(0, 64, (2, seq_len + 1))
+    with LaunchCounter() as launches:
+        model.training_loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    return launches.count
+
+
+def test_launches_are_flat_in_length_for_attention_and_grow_with_the_chunk_loops() -> None:
+    """The transformer's step launches the same kernels at any length; the memories'
+    chunk loops add launches per chunk (MECHANISMS §8: the host cost at paper scale)."""
+    assert _step_launches("transformer", 32) == _step_launches("transformer", 64)
+    short, long = _step_launches("hope", 32), _step_launches("hope", 64)
+    assert 1.5 * short < long < 2.5 * short
+
+
 @pytest.mark.slow  # inductor builds C++ kernels for every chunk-step graph here
 def test_compile_memory_backend_measures_the_same_training(tmp_path: Path) -> None:
     """bench.memory_backend=compile reaches the measuring step (via setup_runtime):
@@ -193,6 +235,7 @@ def test_compile_memory_backend_measures_the_same_training(tmp_path: Path) -> No
         report = bench_run.run_bench(cfg, tmp_path / f"{backend}.json", isolate=False)
         assert report["config"]["memory_backend"] == backend
         assert report["tiny"]["hope"]["host_syncs_per_step"] == 0
+        assert (report["tiny"]["hope"]["launches_per_step"] is None) == (backend == "compile")
         losses[backend] = report["tiny"]["hope"]["loss"]
     assert dispatch.resolve_backend(None) == "compile"
     dispatch.set_default_backend("torch")

@@ -356,6 +356,39 @@ def test_forwards_never_change_meta_parameters(variant: str, mode: str) -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def _cms_deltas(state: LMState) -> list[torch.Tensor]:
+    return [
+        t
+        for block in state.blocks
+        for level in block.cms
+        for t in (level.delta_in, level.delta_out)
+    ]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_static_cms_is_plain_in_training_and_writes_at_test_time(variant: str) -> None:
+    """MECHANISMS §8.3c: model.train() -> plain MLPs (no Δ); model.eval() -> the
+    teach_pass writes of the same weights; memorize writes whatever the caller's mode."""
+    static, teach = tiny_model(variant, "static"), tiny_model(variant, "teach_pass")
+    for a, b in zip(static.parameters(), teach.parameters(), strict=True):
+        assert torch.equal(a, b)
+    x, y = data()
+    logits, state = static.forward_teach(x, y)
+    torch.testing.assert_close(logits, static(x)[0], rtol=0, atol=0)
+    assert all(d.abs().max() == 0 for d in _cms_deltas(state))
+    static.eval(), teach.eval()
+    logits, state = static.forward_teach(x, y)
+    ref_logits, ref_state = teach.forward_teach(x, y)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    assert_states_equal(state, ref_state, atol=0)
+    assert (logits - static(x)[0]).abs().max() > 1e-6
+    assert all(d.abs().max() > 0 for d in _cms_deltas(state))
+    static.train()
+    written = hope.memorize(static, x)
+    assert static.training, "memorize restores the caller's mode"
+    assert all(d.abs().max() > 0 for d in _cms_deltas(written))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_training_loss_gives_every_parameter_a_gradient(variant: str) -> None:
     model = tiny_model(variant)  # teach_pass, write_grad=full

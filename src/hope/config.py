@@ -130,14 +130,17 @@ class ReleaseConfig:
 @dataclass
 class BenchConfig:
     """The ``bench`` stage: one training step (forward, backward, AdamW) per variant
-    at two fixed shapes (``tiny``: the preset's model; ``smoke``: the predecessor's
-    smoke shape, docs/ANCHORS.md "Speed"). See :mod:`hope.bench.run`."""
+    at fixed shapes (``tiny``: the preset's model; ``smoke``: the predecessor's smoke
+    shape, docs/ANCHORS.md "Speed"; ``pilot_chunks``: one layer with the pilot
+    preset's chunking at T = 1024). See :mod:`hope.bench.run`."""
 
     variants: list[str] = field(
         default_factory=lambda: ["transformer", "hope_attention", "hope", "titans_mac"]
     )
-    shapes: list[Literal["tiny", "smoke"]] = field(default_factory=lambda: ["tiny", "smoke"])
-    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4
+    shapes: list[Literal["tiny", "smoke", "pilot_chunks"]] = field(
+        default_factory=lambda: ["tiny", "smoke", "pilot_chunks"]
+    )
+    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4, pilot_chunks at 1
     warmup: int = 2
     steps: int = 5
     seed: int = 0

@@ -8,6 +8,14 @@
   (``/proc/self/clear_refs``) right before the model is built.
 - Syncs: calls to the Tensor methods that copy a value to the host during one
   step, counted by patching them (the technique of tests/test_train_loop.py).
+- Launches: the aten operators one step dispatches to a backend kernel (forward,
+  backward, clipping, optimizer), counted with a ``TorchDispatchMode``: below
+  autograd, so backward ops count; composite ops arrive already decomposed. View
+  and metadata ops (no kernel) and bare allocations (``empty*``) do not count.
+  In eager mode each counted op is one host-side launch (a foreach op is one
+  launch over a list of tensors); it is the host cost a GPU step pays per call.
+  Code inside ``torch.compile`` regions is not counted (launches_per_step is only
+  reported for the eager memory backend).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 MB = 1024 * 1024
@@ -48,6 +57,50 @@ def count_host_syncs() -> Iterator[list[str]]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+_aten = torch.ops.aten
+# Ops that allocate or describe tensors without running a kernel.
+NO_KERNEL = frozenset(
+    {
+        _aten.empty,
+        _aten.empty_strided,
+        _aten.empty_like,
+        _aten.detach,
+        _aten.alias,
+        _aten.lift_fresh,
+        _aten.sym_size,
+        _aten.sym_stride,
+        _aten.sym_numel,
+        _aten.sym_storage_offset,
+        _aten.is_same_size,
+        _aten._has_compatible_shallow_copy_type,
+    }
+)
+
+
+def launches_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether dispatching ``func`` runs a backend kernel (not a view or metadata op)."""
+    return not (func.is_view or func.overloadpacket in NO_KERNEL)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the kernel-launching aten ops dispatched while active (``count``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if launches_kernel(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def synchronize(device: torch.device) -> None:

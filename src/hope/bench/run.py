@@ -15,6 +15,13 @@ Shapes:
   2 layers, 4 heads, vocab 32,000, seq 64, batch 4, CMS periods 1/4/16, Titans
   level period 8: both SMT chunks and the Titans chunk are 8 (the predecessor
   updates its Titans level every 8 tokens), the CMS periods are kept exactly.
+- ``pilot_chunks``: the pilot preset's chunking and head size (CMS periods
+  16/64/256, SMT chunks 8/16, expansion 4, Titans chunk 64 and window 1024, head
+  dim 64) in one layer of dim 128 at T = 1024, batch 1: the launches a paper-scale
+  step pays per layer, at a size a CPU measures in seconds.
+
+Every row also counts the kernel launches of one step (``launches_per_step``, see
+:mod:`hope.bench.measure`): the host cost a GPU pays per step whatever its batch.
 
 Variants not registered in ``hope.VARIANTS`` and measurements that fail are
 recorded under ``skipped`` with the reason; the bench itself does not fail.
@@ -23,6 +30,7 @@ recorded under ``skipped`` with the reason; the bench itself does not fail.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -65,6 +73,18 @@ SMOKE_MODEL: dict[str, Any] = {
 }
 SMOKE_SEQ_LEN = 64
 SMOKE_BATCH = 4
+PILOT_CHUNKS_MODEL: dict[str, Any] = {
+    "dim": 128,
+    "n_layers": 1,
+    "n_heads": 2,
+    "cms_periods": [16, 64, 256],
+    "smt_chunk": 8,
+    "smt_mem_chunk": 16,
+    "smt_expansion": 4,
+    "titans_chunk": 64,
+    "titans_window": 1024,
+}
+PILOT_CHUNKS_SEQ_LEN = 1024
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "vocab_size")
 
 
@@ -77,8 +97,8 @@ class Shape:
 
     def record(self) -> dict[str, Any]:
         """The exact shape, for the report: model knobs that define it plus seq and batch."""
-        keys = SMOKE_MODEL if self.name == "smoke" else SHAPE_KEYS
-        model = {k: getattr(self.model, k) for k in keys}
+        keys = {"smoke": SMOKE_MODEL, "pilot_chunks": PILOT_CHUNKS_MODEL}.get(self.name, {})
+        model = {k: getattr(self.model, k) for k in (*keys, *SHAPE_KEYS)}
         return {**model, "seq_len": self.seq_len, "batch_size": self.batch_size}
 
 
@@ -88,7 +108,10 @@ def bench_shape(cfg: Config, name: str) -> Shape:
     if name == "smoke":
         model = dataclasses.replace(cfg.model, **SMOKE_MODEL)
         return Shape(name, model, SMOKE_SEQ_LEN, SMOKE_BATCH)
-    raise ConfigError(f"bench.shapes: unknown shape {name!r} (tiny, smoke)")
+    if name == "pilot_chunks":
+        model = dataclasses.replace(cfg.model, **PILOT_CHUNKS_MODEL)
+        return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1)
+    raise ConfigError(f"bench.shapes: unknown shape {name!r} (tiny, smoke, pilot_chunks)")
 
 
 def check_bench_config(bench: BenchConfig) -> None:
@@ -155,7 +178,9 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
         return train_step(model, optimizer, scheduler, x, y, optim_cfg.grad_clip, amp_dtype)
 
     seconds = m.time_steps(step, bench.warmup, bench.steps, device)
-    with m.count_host_syncs() as calls:
+    # Inside torch.compile regions ops are not dispatched one by one: eager only.
+    launches = None if bench.memory_backend == "compile" else m.LaunchCounter()
+    with m.count_host_syncs() as calls, launches or contextlib.nullcontext():
         loss = step(total - 1)
     syncs = len(calls)
     m.synchronize(device)
@@ -176,6 +201,7 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
         "peak_mem_mb": peak_mb,
         "mem_baseline_mb": baseline_mb,
         "host_syncs_per_step": syncs,
+        "launches_per_step": None if launches is None else launches.count,
         "params": model.num_parameters(),
         "flops_per_token": flops_per_token,
         "achieved_gflops_per_s": flops_per_token * tokens_per_s / 1e9,
@@ -294,9 +320,9 @@ def _measure_into(
     except Exception as err:  # noqa: BLE001 - one bad variant must not lose the others' numbers
         return f"{type(err).__name__}: {err}"
     log.info(
-        "bench %s/%s: %.0f tokens/s, %.1f ms/step, %d host syncs/step",
+        "bench %s/%s: %.0f tokens/s, %.1f ms/step, %d host syncs/step, %s launches/step",
         shape, variant, rows[variant]["tokens_per_s"], rows[variant]["step_ms"],
-        rows[variant]["host_syncs_per_step"],
+        rows[variant]["host_syncs_per_step"], rows[variant]["launches_per_step"],
     )  # fmt: skip
     return None
 

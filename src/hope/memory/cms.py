@@ -38,14 +38,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hope.memory.cms_dual import dual_teach_read
-from hope.memory.fast_state import reset_state
+from hope.memory.fast_state import where_samples
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.model.config import ModelConfig
 from hope.model.layers import RMSNorm
 from hope.optim.inner import InnerRule, make_inner_rule
 
 GradPoint = Literal["chunk_start", "base"]
-CMSMode = Literal["teach_pass", "exact_online", "static"]
 ReadForm = Literal["auto", "dual", "materialized"]
 
 
@@ -66,6 +65,29 @@ class LevelState:
     @property
     def pending(self) -> int:
         return self.pending_inputs.shape[1]
+
+    def reset_where(self, fresh: LevelState, reset_mask: Tensor) -> LevelState:
+        """Per-sample reset to ``fresh`` (Δ, momenta, counters). The chunk phase is
+        batch-wide, so a reset sample keeps the pending length with its pending tokens
+        zeroed: they add nothing to its next write."""
+
+        def take(old: Tensor | None, new: Tensor | None) -> Tensor | None:
+            return None if old is None or new is None else where_samples(reset_mask, new, old)
+
+        def clear(old: Tensor) -> Tensor:
+            return where_samples(reset_mask, torch.zeros_like(old), old)
+
+        return replace(
+            self,
+            delta_in=where_samples(reset_mask, fresh.delta_in, self.delta_in),
+            delta_out=where_samples(reset_mask, fresh.delta_out, self.delta_out),
+            mom_in=take(self.mom_in, fresh.mom_in),
+            mom_out=take(self.mom_out, fresh.mom_out),
+            pending_inputs=clear(self.pending_inputs),
+            pending_teach=clear(self.pending_teach),
+            pending_scores=clear(self.pending_scores),
+            updates=where_samples(reset_mask, fresh.updates, self.updates),
+        )
 
 
 @dataclass
@@ -179,7 +201,10 @@ class CMSLevel(nn.Module):
         )
 
     def _read(self, inputs: Tensor, delta_in: Tensor | None, delta_out: Tensor | None) -> Tensor:
-        """MLP with weights θ0 + sg(Δ); inputs [..., C, d], deltas [..., h, d] / [..., d, h]."""
+        """MLP with weights θ0 + sg(Δ); inputs [..., C, d], deltas [..., h, d] / [..., d, h].
+
+        sg(Δ) makes the meta-gradient first-order, ∂L/∂θ0 = ∂L/∂(θ0 + Δ): a deviation
+        MECHANISMS §2 prescribes (docs/FAITHFULNESS.md)."""
         pre = inputs @ self.w_in.t()
         if delta_in is not None:
             pre = pre + inputs @ delta_in.detach().to(inputs.dtype).transpose(-1, -2)
@@ -470,7 +495,6 @@ class CMS(nn.Module):
         periods: Sequence[int],
         rule: InnerRule,
         *,
-        mode: CMSMode = "teach_pass",
         norm_eps: float = 1e-6,
         **level_kwargs: object,
     ) -> None:
@@ -484,9 +508,6 @@ class CMS(nn.Module):
             raise ValueError(
                 f"cms_periods {periods} must increase and each be a multiple of the first"
             )
-        if mode not in ("teach_pass", "exact_online", "static"):
-            raise ValueError(f"cms_mode must be teach_pass|exact_online|static, got {mode!r}")
-        self.mode = mode
         self.norms = nn.ModuleList(RMSNorm(dim, norm_eps) for _ in periods)
         self.levels = nn.ModuleList(
             CMSLevel(dim, h, p, rule, **level_kwargs)  # type: ignore[arg-type]
@@ -502,7 +523,6 @@ class CMS(nn.Module):
             hiddens,
             cfg.cms_periods,
             rule,
-            mode=cfg.cms_mode,
             norm_eps=cfg.norm_eps,
             grad_point=grad_point,
             surprise_threshold=cfg.surprise_threshold,
@@ -514,11 +534,6 @@ class CMS(nn.Module):
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
     ) -> list[LevelState]:
         return [lvl.init_state(batch_size, device, dtype) for lvl in self.levels]  # type: ignore[operator]
-
-    def reset(self, state: list[LevelState], reset_mask: Tensor) -> list[LevelState]:
-        """Per-sample reset (torch.where). The chunk phase (pending count) is batch-wide;
-        a reset sample's pending tokens are zeroed, so they contribute nothing."""
-        return reset_state(state, reset_mask)
 
     def read(
         self, x: Tensor, state: list[LevelState] | None = None
@@ -540,8 +555,6 @@ class CMS(nn.Module):
         **kwargs: object,
     ) -> list[LevelState]:
         """exact_online: write each level's chunk (inputs from ``read``, δ_ℓ from the model)."""
-        if self.mode == "static":
-            return state
         return [
             lvl.write(tap.inputs, dlt, st, **kwargs)  # type: ignore[operator]
             for lvl, tap, dlt, st in zip(self.levels, taps, teaches, state, strict=True)
@@ -551,9 +564,7 @@ class CMS(nn.Module):
         self, x: Tensor, teaches: Sequence[Tensor], state: list[LevelState], **kwargs: object
     ) -> tuple[Tensor, list[LevelState]]:
         """Pass B of teach_pass: level ℓ reads with θ0 + sg(Δ_n) built from its pass-B
-        inputs and δ_ℓ of pass A (MECHANISMS §8.3b). Static mode: plain MLPs, no writes."""
-        if self.mode == "static":
-            return self.read(x)[0], state
+        inputs and δ_ℓ of pass A (MECHANISMS §8.3b)."""
         new_state = []
         for norm, level, teach, st in zip(self.norms, self.levels, teaches, state, strict=True):
             out, st = level.teach_forward(norm(x), teach, st, **kwargs)  # type: ignore[operator]

@@ -2,7 +2,8 @@
 
 A state is any nesting of dataclasses, lists, tuples and dicts whose tensor leaves
 carry a leading batch dimension B. Non-tensor leaves (static Python ints such as
-pending counts) pass through unchanged, so these helpers never sync with the device.
+pending counts and chunk phases) are batch-wide and pass through unchanged, so these
+helpers never sync with the device.
 """
 
 from __future__ import annotations
@@ -35,19 +36,41 @@ def map_tensors(state: S, fn: Callable[[Tensor], Tensor]) -> S:
     return state
 
 
-def reset_where(tensor: Tensor, reset_mask: Tensor) -> Tensor:
-    """Zero the samples b with reset_mask[b] True; tensor [B, ...], reset_mask [B] bool."""
-    if reset_mask.shape != tensor.shape[:1]:
+def where_samples(reset_mask: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """Sample b of ``new`` where reset_mask[b], else of ``old``; tensors [B, ...], mask [B]."""
+    if reset_mask.shape != old.shape[:1]:
         raise ValueError(
-            f"reset mask shape {tuple(reset_mask.shape)} does not match batch {tensor.shape[0]}"
+            f"reset mask shape {tuple(reset_mask.shape)} does not match batch {old.shape[0]}"
         )
-    mask = reset_mask.to(torch.bool).view(-1, *([1] * (tensor.dim() - 1)))
-    return torch.where(mask, torch.zeros_like(tensor), tensor)
+    if new.shape != old.shape:
+        raise ValueError(f"a fresh state leaf {tuple(new.shape)} for {tuple(old.shape)}")
+    mask = reset_mask.to(torch.bool).view(-1, *([1] * (old.dim() - 1)))
+    return torch.where(mask, new.to(old.dtype), old)
 
 
-def reset_state(state: S, reset_mask: Tensor) -> S:
-    """Per-sample reset of every tensor leaf (fast deltas, momenta, buffers, counters)."""
-    return map_tensors(state, lambda t: reset_where(t, reset_mask))
+def restore_state(state: Any, fresh: Any, reset_mask: Tensor) -> Any:
+    """Per-sample reset: the samples with reset_mask [B] True take their leaves from
+    ``fresh`` (a new context's state of the same structure: the memories'
+    meta-learned initial weights, zero momenta and conv tails), the others keep
+    theirs. A container that knows better (a KV cache, a CMS level's pending
+    buffer) defines ``reset_where(fresh, mask)``."""
+    custom = getattr(state, "reset_where", None)
+    if callable(custom):
+        return custom(fresh, reset_mask)
+    if isinstance(state, Tensor):
+        return where_samples(reset_mask, fresh, state)
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        changes = {
+            f.name: restore_state(getattr(state, f.name), getattr(fresh, f.name), reset_mask)
+            for f in dataclasses.fields(state)
+        }
+        return dataclasses.replace(state, **changes)
+    if isinstance(state, (list, tuple)):
+        items = (restore_state(a, b, reset_mask) for a, b in zip(state, fresh, strict=True))
+        return type(state)(items)
+    if isinstance(state, dict):
+        return {key: restore_state(value, fresh[key], reset_mask) for key, value in state.items()}
+    return state
 
 
 def detach_state(state: S) -> S:

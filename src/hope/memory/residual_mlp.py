@@ -276,7 +276,8 @@ def overshoot_ratio(kernel: Tensor, step: Tensor) -> Tensor:
 
     Linearised, a chunk's writes with per-token steps ``step`` [B, H, C] taken at the
     chunk-start weights move the predictions at its keys by -2 J diag(step) J^T e:
-    no error grows while rho <= 1 (K = ``chunk_kernel_bound`` >= ||J_t J_s^T||)."""
+    no error grows while rho <= 1 (K = ``chunk_kernel_bound`` >= ||J_t J_s^T||).
+    A bound the papers do not have: a deviation (docs/FAITHFULNESS.md)."""
     root = step.clamp_min(0.0).sqrt()
     return 2.0 * perron_bound(root.unsqueeze(-1) * kernel * root.unsqueeze(-2))
 

@@ -54,6 +54,9 @@ _GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
 def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor) -> Tensor:
     """Cap theta_max [B, H, 1] of a chunk's inner steps theta_s = theta_max sigma_s / lambda_s.
 
+    A deviation (docs/FAITHFULNESS.md): the paper's theta_t is an unbounded
+    data-dependent learning rate; this cap only binds where a chunk's steps couple.
+
     Chunked training (Ti eq. 16) takes all C gradients of a chunk at the chunk-start
     weights; with momentum (Ti eq. 18) token s's step reaches the chunk-end weights
     with weight w_s (``momentum_chunk_weights``, about 1/(1 - eta)). Linearised, the

@@ -14,10 +14,35 @@ from hope.model.layers import RMSNorm, apply_rotary, rotary_tables
 
 @dataclass
 class KVCache:
-    """Keys and values of every token seen so far in this context."""
+    """Keys and values of every token seen so far in this context.
+
+    ``valid`` [B, T_past] (bool) marks the cached keys each sample may still attend
+    to; None = all of them. A per-sample reset (``LanguageModel.reset_state``) clears
+    a sample's row, so its next tokens attend only to themselves and later tokens:
+    with rotary scores depending on relative positions only, that is a fresh context.
+    """
 
     k: torch.Tensor  # [B, H, T_past, D]
     v: torch.Tensor  # [B, H, T_past, D]
+    valid: torch.Tensor | None = None  # [B, T_past] bool
+
+    def reset_where(self, fresh: KVCache, reset_mask: torch.Tensor) -> KVCache:
+        """Forget the cached keys of the samples with reset_mask [B] True."""
+        del fresh  # a new context's cache is empty: nothing of it to copy
+        batch, _, past, _ = self.k.shape
+        valid = self.valid
+        if valid is None:
+            valid = torch.ones(batch, past, dtype=torch.bool, device=self.k.device)
+        return KVCache(self.k, self.v, valid & ~reset_mask.to(torch.bool)[:, None])
+
+
+def extend_valid(cache: KVCache | None, batch: int, length: int) -> torch.Tensor | None:
+    """Key validity [B, past+T] after appending T new keys (always valid); None while no
+    sample of the cache was ever reset (every key valid, the mask-free fast path)."""
+    if cache is None or cache.valid is None:
+        return None
+    new = torch.ones(batch, length, dtype=torch.bool, device=cache.valid.device)
+    return torch.cat((cache.valid, new), dim=1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -51,7 +76,8 @@ class CausalSelfAttention(nn.Module):
     def project(
         self, x: torch.Tensor, cache: KVCache | None, pos: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """q [B, H, T, D] and k, v [B, H, past+T, D] (cache first), rotated; past."""
+        """q [B, H, T, D] and k, v [B, H, past+T, D] (cache first), rotated; past.
+        Key validity: ``extend_valid(cache, B, T)``."""
         batch, length, _ = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, T, D]
@@ -75,27 +101,38 @@ class CausalSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, KVCache]:
         """x [B, T, d] at absolute positions pos..pos+T-1 -> (y [B, T, d], cache incl. x)."""
         q, k, v, past = self.project(x, cache, pos)
-        if past > 0:
+        valid = extend_valid(cache, x.shape[0], x.shape[1])
+        if past > 0 or valid is not None:
             # Query i (absolute past+i) sees keys 0..past+i; a static mask, no host sync.
             key_pos = torch.arange(k.shape[2], device=x.device)
             query_pos = torch.arange(past, k.shape[2], device=x.device)
             mask = key_pos[None, :] <= query_pos[:, None]  # [T, past+T]
+            if valid is not None:
+                mask = mask & valid[:, None, None, :]  # [B, 1, T, past+T]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.merge_heads(y), KVCache(k=k, v=v)
+        return self.merge_heads(y), KVCache(k=k, v=v, valid=valid)
 
 
 def attend_within_pieces(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, pieces: PieceGrid
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: int,
+    pieces: PieceGrid,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention whose scores and values use sg(K), sg(V) for keys outside the
     query's piece: exactly the values of plain attention, gradients to K and V only
-    from queries of the same piece. q [B, H, T, D]; k, v [B, H, past+T, D]."""
+    from queries of the same piece. q [B, H, T, D]; k, v [B, H, past+T, D]; valid
+    [B, past+T] (``extend_valid``) or None."""
     length, total = q.shape[2], k.shape[2]
     query = torch.arange(length, device=q.device)
     key = torch.arange(total, device=q.device) - past  # call index; < 0: earlier calls
     causal = key[None, :] <= query[:, None]  # [T, past+T]
+    if valid is not None:
+        causal = causal & valid[:, None, None, :]  # [B, 1, T, past+T]
     same = causal & (key[None, :] >= 0)
     same = same & (pieces.piece_ids(key)[None, :] == pieces.piece_ids(query)[:, None])
     scale = q.shape[-1] ** -0.5

@@ -37,6 +37,8 @@ class ModelConfig:
     # Continuum Memory System (NL §3, eqs. 30-31). Periods in tokens, each a
     # multiple of the first; the MLP budget mlp_ratio*dim is split across levels.
     cms_periods: list[int] = field(default_factory=lambda: [16, 64])
+    # teach_pass | exact_online: how the levels write (MECHANISMS §8.3); static: plain
+    # MLPs in training (model.train()), teach_pass writes at test time (model.eval()).
     cms_mode: Literal["teach_pass", "exact_online", "static"] = "teach_pass"
     cms_lr: float = 1e-3
     cms_retention: float = 1.0
@@ -60,7 +62,7 @@ class ModelConfig:
     smt_eta_scale: float = 1e-3
     # Per-token retention at init. MECHANISMS asks for sigmoid ~0.99-0.999 *and*
     # bounded norms over 2,048 tokens; pure decay gives 0.999^2048 ~ 0.13, so we
-    # take 0.9998 (0.66 over 2,048 tokens). See docs/FAITHFULNESS.md.
+    # take 0.9998 (0.66 over 2,048 tokens): a deviation, docs/FAITHFULNESS.md.
     smt_retention_init: float = 0.9998
     smt_momentum: float = 0.0
     smt_precondition: bool = True

@@ -30,7 +30,12 @@ from hope.memory.cms import CMS, LevelState
 from hope.memory.fast_state import detach_state
 from hope.memory.pieces import PieceGrid
 from hope.memory.smt import SelfModifyingTitans
-from hope.model.attention import CausalSelfAttention, KVCache, attend_within_pieces
+from hope.model.attention import (
+    CausalSelfAttention,
+    KVCache,
+    attend_within_pieces,
+    extend_valid,
+)
 from hope.model.config import ModelConfig
 from hope.model.layers import RMSNorm
 from hope.model.lm import LanguageModel, LMState
@@ -74,8 +79,9 @@ class AttentionMixer(nn.Module):
         """One call reading sg(K, V) outside each query's piece (values of one plain
         call); the cache passed in is detached."""
         q, k, v, past = self.attn.project(x, state, pos)
-        y = attend_within_pieces(q, k, v, past, pieces)
-        return self.attn.merge_heads(y), KVCache(k=k, v=v)
+        valid = extend_valid(state, x.shape[0], x.shape[1])
+        y = attend_within_pieces(q, k, v, past, pieces, valid)
+        return self.attn.merge_heads(y), KVCache(k=k, v=v, valid=valid)
 
 
 class SMTMixer(nn.Module):
@@ -177,6 +183,10 @@ class HopeLM(LanguageModel):
         Targets equal to -100 contribute no loss (and hence no teach signal). Causal at
         the chunk granularity of MECHANISMS §2: the logits at t use only tokens ≤ t and
         targets < t. Works under ``torch.no_grad`` (the teach signal enables grad locally).
+
+        ``static`` (MECHANISMS §8.3c): in training mode (``model.train()``) the levels
+        are plain MLPs; at test time (``model.eval()``: validation, eval, scoring,
+        ``memorize``) they write like ``teach_pass``.
         """
         if tokens.dim() != 2 or targets.shape != tokens.shape:
             raise ValueError(
@@ -185,7 +195,7 @@ class HopeLM(LanguageModel):
             )
         if state is None:
             state = self.init_state(tokens.shape[0])
-        if self.cms_mode == "static":
+        if self.cms_mode == "static" and self.training:
             return cast(tuple[torch.Tensor, LMState], self(tokens, state))
         if self.cms_mode == "exact_online":
             return exact_online_forward(self, tokens, targets, state)

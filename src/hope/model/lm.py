@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hope.memory.fast_state import restore_state
 from hope.model.config import ModelConfig
 from hope.model.layers import RMSNorm
 
@@ -72,6 +73,20 @@ class LanguageModel(nn.Module):
     def init_state(self, batch_size: int) -> LMState:
         blocks = [cast(Any, block).init_state(batch_size, self.device) for block in self.blocks]
         return LMState(blocks, pos=0)
+
+    def reset_state(self, state: LMState, reset_mask: torch.Tensor) -> LMState:
+        """Start a new context for the samples with reset_mask [B] (bool) True, e.g. at a
+        document boundary in a stream: their memories return to the meta-learned initial
+        state, their KV caches are forgotten, their conv tails and pending CMS tokens
+        cleared; the other samples are untouched. No host sync.
+
+        Chunk grids (CMS periods, SMT and Titans chunks) are batch-wide: a sample reset
+        where every grid is at a boundary continues exactly like a fresh context (rotary
+        attention scores are relative, so the absolute position does not matter);
+        reset elsewhere, its first chunks are shorter.
+        """
+        fresh = self.init_state(reset_mask.shape[0])
+        return LMState(restore_state(state.blocks, fresh.blocks, reset_mask), state.pos)
 
     def forward(
         self, tokens: torch.Tensor, state: LMState | None = None

@@ -266,6 +266,17 @@ def _surprise_threshold(model: LanguageModel, tau: float | None) -> Iterator[Non
             level.surprise_threshold = value
 
 
+@contextlib.contextmanager
+def _test_time(model: LanguageModel) -> Iterator[None]:
+    """Run in eval mode (test time), then restore the caller's train/eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def next_token_targets(tokens: Tensor, teach_mask: Tensor | None = None) -> Tensor:
     """targets [B, T]: token t+1 at position t, -100 for the last token and wherever
     ``teach_mask`` [B, T] is False (that position's loss gives no teach signal)."""
@@ -316,8 +327,13 @@ def _chunk_states(
             state = splice_state(state, start, NOTHING)
         for begin in range(0, tokens.shape[1], chunk):
             span = slice(begin, begin + chunk)
-            # Grad mode is global: set it per chunk, never across a yield.
-            with torch.no_grad(), _surprise_threshold(model, cfg.surprise_threshold):
+            # Grad and train/eval modes are global: set them per chunk, never across a
+            # yield. Memorisation is test time (a `static` CMS writes only then).
+            with (
+                torch.no_grad(),
+                _surprise_threshold(model, cfg.surprise_threshold),
+                _test_time(model),
+            ):
                 _, new = model.forward_teach(tokens[:, span], targets[:, span], state)
             state = splice_state(state, new, selection)
             yield state

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from hope.model.attention import CausalSelfAttention, KVCache
+from hope.model.attention import CausalSelfAttention, KVCache, extend_valid
 from hope.model.layers import apply_rotary, rotary_tables
 
 
@@ -72,7 +72,8 @@ class PersistentAttention(CausalSelfAttention):
         return q, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def _attend(self, q: Tensor, q_rot: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
-        """Softmax over [P || context]: q [B,H,T,D], k/v [B,H,K,D], visible [T, K] -> [B,T,d]."""
+        """Softmax over [P || context]: q [B,H,T,D], k/v [B,H,K,D], visible [T, K] or
+        [B, 1, T, K] -> [B, T, d]."""
         scale = 1.0 / math.sqrt(self.head_dim)
         scores = torch.einsum("bhtd,bhkd->bhtk", q_rot, k) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -107,11 +108,15 @@ class PersistentAttention(CausalSelfAttention):
             v = torch.cat((cache.v.to(v.dtype), v), dim=2)
         past = k.shape[2] - length
         visible = sliding_window_mask(past, length, self.window, x.device)
+        valid = extend_valid(cache, x.shape[0], length)
+        if valid is not None:
+            visible = visible & valid[:, None, None, :]  # [B, 1, T, past+T]
         y = self._attend(q, q_rot, k, v, visible)
         # Only the last W-1 keys can be seen by a later query: the cache stays bounded.
         keep = min(self.window - 1, k.shape[2])
         start = k.shape[2] - keep
-        return y, KVCache(k=k[:, :, start:], v=v[:, :, start:])
+        kept_valid = None if valid is None else valid[:, start:]
+        return y, KVCache(k=k[:, :, start:], v=v[:, :, start:], valid=kept_valid)
 
     def forward_with_context(self, memory_tokens: Tensor, x: Tensor, pos: int) -> Tensor:
         """MAC segment attention: h, x [B, S, d] at positions pos.. -> y [B, S, d] (Ti eq. 22).

@@ -204,7 +204,11 @@ def teach_forward(
 def teach_pass_forward(
     model: HopeLM, tokens: Tensor, targets: Tensor, state: LMState
 ) -> tuple[Tensor, LMState]:
-    """``teach_pass`` mode: pass B's first mixing, pass A (δ), then the rest of pass B."""
+    """``teach_pass`` mode: pass B's first mixing, pass A (δ), then the rest of pass B.
+
+    Deviation (docs/FAITHFULNESS.md, the mini-batch form of MECHANISMS §8.3b): within
+    a call δ comes from the call-start weights, not from the Δ_n written so far; a
+    call of one C1 piece is exactly the online oracle (``exact_online``)."""
     block, block_state = model.hope_blocks()[0], state.blocks[0]
     first = block.mix(model.embed(tokens), block_state.mixer, state.pos)
     signal = teach_signal(model, tokens, targets, state, first_mixed=first[0])

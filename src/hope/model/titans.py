@@ -108,7 +108,11 @@ class TitansLMMBlock(_TitansBlock):
 
 
 class TitansMALBlock(TitansLMMBlock):
-    """Memory as a layer (Ti eqs. 29-31): x += LMM(N(x)); x += SWA*(N(x)); x += MLP(N(x))."""
+    """Memory as a layer (Ti eqs. 29-31): x += LMM(N(x)); x += SWA*(N(x)); x += MLP(N(x)).
+
+    Deviation (docs/FAITHFULNESS.md): the memory reads and writes x, not x~ = [p || x]
+    (eq. 29); the persistent tokens reach the sliding-window attention only.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -126,7 +130,11 @@ class TitansMALBlock(TitansLMMBlock):
 
 
 class TitansMAGBlock(_TitansBlock):
-    """Memory as a gate (Ti eqs. 26-28): both branches read N(x); x += gate(SWA*, LMM)."""
+    """Memory as a gate (Ti eqs. 26-28): both branches read N(x); x += gate(SWA*, LMM).
+
+    Deviation (docs/FAITHFULNESS.md): the persistent tokens reach the attention only,
+    not M([P || x]); the memory's meta-learned initial state plays their role there.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -150,7 +158,9 @@ class TitansMACBlock(_TitansBlock):
     The memory chunk equals the segment (both are ``titans_chunk``), so one
     ``NeuralMemory`` call per segment reads M_{s-1} and writes the segment's y.
     Eq. 25 reads the updated M_s*(y); reading it for token i would expose y_j,
-    j > i, of the same segment, so the gate read uses M_{s-1} (read before write).
+    j > i, of the same segment, so the gate read uses M_{s-1} (read before write),
+    and h_j is visible causally (to queries >= j): both a deviation from eqs. 21/25
+    read literally, which would leak future tokens (docs/FAITHFULNESS.md).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -53,7 +53,10 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def partition_params(model: nn.Module) -> ParamPartition:
-    """Split ``model``'s trainable parameters into the matrix group and the rest."""
+    """Split ``model``'s trainable parameters into the matrix group and the rest.
+
+    Deviation (docs/FAITHFULNESS.md): per-head stacks [H, a, b] go to the rest, since
+    ``torch.optim.Muon`` takes 2-D tensors only (M3 orthogonalises each head)."""
     excluded: set[int] = set()
     embedding_ids: set[int] = set()
     for name, module in model.named_modules():
