@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hope.config import ConfigError, load_config
 from hope.optim.inner import (
     DeltaMomentumRule,
     DGDRule,
@@ -145,10 +146,32 @@ def test_gate_keeps_state_of_closed_samples() -> None:
     torch.testing.assert_close(some(new_mom)[1], some(open_mom)[1], rtol=0, atol=0)
 
 
-def test_make_inner_rule_selects_from_knobs() -> None:
-    assert type(make_inner_rule(1e-3, 1.0, 0.0, 0.0)) is GDRule
-    assert type(make_inner_rule(1e-3, 1.0, 0.9, 0.0)) is MomentumRule
-    dgd = make_inner_rule(1e-3, 0.99, 0.9, 1e-4)
+def test_make_inner_rule_selects_by_name() -> None:
+    assert type(make_inner_rule("gd", 1e-3, 1.0, 0.0, 0.0)) is GDRule
+    assert type(make_inner_rule("momentum", 1e-3, 1.0, 0.9, 0.0)) is MomentumRule
+    dgd = make_inner_rule("dgd", 1e-3, 0.99, 0.9, 1e-4)
     assert type(dgd) is DGDRule and dgd.uses_momentum and dgd.uses_inputs
+    delta = make_inner_rule("delta_momentum", 1e-3, 1.0, 0.9, 0.5)
+    assert type(delta) is DeltaMomentumRule and (delta.beta, delta.delta_coef) == (0.9, 0.5)
+    ortho = make_inner_rule("ortho_momentum", 1e-3, 1.0, 0.8, 0.0)
+    assert type(ortho) is OrthoMomentumRule and ortho.beta == 0.8
     with pytest.raises(ValueError, match="retention"):
-        make_inner_rule(1e-3, 1.5, 0.0, 0.0)
+        make_inner_rule("gd", 1e-3, 1.5, 0.0, 0.0)
+    with pytest.raises(ValueError, match="unknown inner rule 'adam'"):
+        make_inner_rule("adam", 1e-3, 1.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.cms_momentum=0.9"], r"cms_momentum=0.9 has no effect with model.cms_rule=gd"),
+        (["model.cms_rule=momentum"], r"cms_rule=momentum needs model.cms_momentum > 0"),
+        (["model.cms_rule=dgd"], r"cms_rule=dgd needs model.cms_erase > 0"),
+        (["model.cms_rule=ortho_momentum", "model.cms_erase=0.1"], r"cms_erase=0.1 has no"),
+        (["model.cms_rule=momentum", "model.cms_momentum=1.5"], r"cms_momentum=1.5 must be"),
+        (["model.cms_rule=sgd"], r"model.cms_rule"),
+    ],
+)
+def test_rule_knobs_that_would_do_nothing_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -271,13 +271,27 @@ def test_chained_exact_online_calls_equal_one_call_at_piece_boundaries(
     assert_states_equal(end, state)
 
 
+RULE_KNOBS = {
+    "gd": (),
+    "momentum": ("model.cms_rule=momentum", "model.cms_momentum=0.5"),
+    "dgd": ("model.cms_rule=dgd", "model.cms_momentum=0.5", "model.cms_erase=0.01"),
+    "delta_momentum": ("model.cms_rule=delta_momentum", "model.cms_momentum=0.5",
+                       "model.cms_erase=0.5"),
+    "ortho_momentum": ("model.cms_rule=ortho_momentum", "model.cms_momentum=0.5",
+                       "model.cms_lr=0.05"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULE_KNOBS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_teach_pass_in_c1_calls_is_exact_online(variant: str) -> None:
+def test_teach_pass_in_c1_calls_is_exact_online(variant: str, rule: str) -> None:
     """Pass A reads the call-start weights θ0 + Δ_s (MECHANISMS §8.3b): a call of one C1
     piece is then the oracle's step, so chained C1 calls equal ``exact_online``
-    (logits, CMS Δ, pending buffers, mixer states)."""
-    model = tiny_model(variant, "teach_pass")
-    oracle = tiny_model(variant, "exact_online")
+    (logits, CMS Δ, pending buffers, mixer states), for every ``model.cms_rule``."""
+    model = tiny_model(variant, "teach_pass", *RULE_KNOBS[rule])
+    oracle = tiny_model(variant, "exact_online", *RULE_KNOBS[rule])
+    level = cast(CMSLevel, model.hope_blocks()[0].cms.levels[0])
+    assert type(level.rule).__name__.lower() == rule.replace("_", "") + "rule"
     oracle.load_state_dict(model.state_dict())
     x, y = data()
     logits_o, state_o = oracle.forward_teach(x, y)

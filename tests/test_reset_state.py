@@ -115,8 +115,9 @@ def test_reset_restores_the_meta_learned_initial_memory_not_zeros(variant: str) 
     assert nonzero, "the initial memories are meta parameters, not zeros"
 
 
-def test_reset_mask_of_the_wrong_batch_is_refused() -> None:
-    model = tiny_model("hope")
+@pytest.mark.parametrize("variant", ["transformer", "hope"])
+def test_reset_mask_of_the_wrong_batch_is_refused(variant: str) -> None:
+    model = tiny_model(variant)
     _, state = model(tokens(2, ALIGNED, seed=1))
     with pytest.raises(ValueError, match="reset mask shape"):
         model.reset_state(state, torch.tensor([True, False, True]))

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from hope.model.config import ModelConfig
+from hope.optim.inner import rule_knob_errors
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 
@@ -345,6 +346,9 @@ def _validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    rule_errors = rule_knob_errors(m.cms_rule, m.cms_momentum, m.cms_erase)
+    if rule_errors:
+        raise ConfigError(rule_errors[0])
     if m.vocab_size is None:
         m.vocab_size = cfg.tokenizer.vocab_size
     elif m.vocab_size < cfg.tokenizer.vocab_size:

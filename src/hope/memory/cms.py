@@ -516,7 +516,9 @@ class CMS(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, grad_point: GradPoint = "chunk_start") -> CMS:
-        rule = make_inner_rule(cfg.cms_lr, cfg.cms_retention, cfg.cms_momentum, cfg.cms_erase)
+        rule = make_inner_rule(
+            cfg.cms_rule, cfg.cms_lr, cfg.cms_retention, cfg.cms_momentum, cfg.cms_erase
+        )
         hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
         return cls(
             cfg.dim,

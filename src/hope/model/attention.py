@@ -30,6 +30,10 @@ class KVCache:
         """Forget the cached keys of the samples with reset_mask [B] True."""
         del fresh  # a new context's cache is empty: nothing of it to copy
         batch, _, past, _ = self.k.shape
+        if reset_mask.shape != (batch,):
+            raise ValueError(
+                f"reset mask shape {tuple(reset_mask.shape)} does not match batch {batch}"
+            )
         valid = self.valid
         if valid is None:
             valid = torch.ones(batch, past, dtype=torch.bool, device=self.k.device)

@@ -42,6 +42,11 @@ class ModelConfig:
     cms_mode: Literal["teach_pass", "exact_online", "static"] = "teach_pass"
     cms_lr: float = 1e-3
     cms_retention: float = 1.0
+    # The inner rule of every level (hope.optim.inner; NL §2.3): gd (eq. 31),
+    # momentum (beta = cms_momentum), dgd (erase coefficient cms_erase, optional
+    # momentum), delta_momentum (m <- m(beta I - eps G^T G) - eta G, eps = cms_erase),
+    # ortho_momentum (Delta <- a Delta - eta NS(m), m <- beta m + G).
+    cms_rule: Literal["gd", "momentum", "dgd", "delta_momentum", "ortho_momentum"] = "gd"
     cms_momentum: float = 0.0
     cms_erase: float = 0.0
 
