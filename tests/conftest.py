@@ -20,6 +20,9 @@ import pytest
 import torch
 import yaml
 
+import hope
+from hope.model.lm import LanguageModel
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # Set by pytest-xdist in its workers; more than one worker shares the cores.
@@ -53,6 +56,34 @@ def _one_thread_per_worker() -> Iterator[None]:
     yield
     if PARALLEL:
         torch.set_num_threads(1)
+
+
+TINY_VOCAB = 64
+
+
+def tiny_lm(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:
+    """A float64 two-layer model of dim 16 for mechanism tests: CMS periods 4/8, SMT
+    chunks 2/4, Titans chunk 4, and inner rates large enough that every write shows."""
+    cfg = hope.load_config(
+        None,
+        [
+            f"model.variant={variant}",
+            "model.dim=16",
+            "model.n_layers=2",
+            "model.n_heads=2",
+            f"tokenizer.vocab_size={TINY_VOCAB}",
+            "model.cms_periods=[4, 8]",
+            "model.smt_chunk=2",
+            "model.smt_mem_chunk=4",
+            "model.titans_chunk=4",
+            "model.cms_lr=1.0",
+            "model.smt_eta_scale=0.05",
+            "model.smt_retention_init=0.9",
+            *extra,
+        ],
+    )
+    torch.manual_seed(seed)
+    return hope.build_model(cfg.model).to(torch.float64)
 
 
 def set_params(repo: Path, values: Mapping[tuple[str, str], object]) -> None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import hope
+from conftest import TINY_VOCAB, tiny_lm
 from hope.memory.fast_state import tensor_leaves
 from hope.model.hope import HopeLM
 from hope.model.lm import LanguageModel, LMState
@@ -25,33 +26,13 @@ from hope.model.memorize import (
     next_token_targets,
 )
 
-VOCAB = 64
+VOCAB = TINY_VOCAB
 T = 14  # not a multiple of 4 or 8: a partial last chunk and pending CMS tokens
 F64 = torch.float64
 
 
 def tiny_model(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:
-    cfg = hope.load_config(
-        None,
-        [
-            f"model.variant={variant}",
-            "model.dim=16",
-            "model.n_layers=2",
-            "model.n_heads=2",
-            f"tokenizer.vocab_size={VOCAB}",
-            "model.cms_periods=[4, 8]",
-            "model.smt_chunk=2",
-            "model.smt_mem_chunk=4",
-            "model.titans_chunk=4",
-            # Large inner rates so every write is visible at float64.
-            "model.cms_lr=1.0",
-            "model.smt_eta_scale=0.05",
-            "model.smt_retention_init=0.9",
-            *extra,
-        ],
-    )
-    torch.manual_seed(seed)
-    return hope.build_model(cfg.model).to(F64)
+    return tiny_lm(variant, *extra, seed=seed)
 
 
 def rand_tokens(batch: int = 2, length: int = T, seed: int = 1) -> torch.Tensor:

@@ -8,13 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-import hope
+from conftest import TINY_VOCAB, tiny_lm
 from hope.memory.fast_state import tensor_leaves
 from hope.model.attention import KVCache
 from hope.model.lm import LanguageModel, LMState
 
-VOCAB = 64
-DT = torch.float64
+VOCAB = TINY_VOCAB
 VARIANTS = [
     "transformer",
     "hope_attention",
@@ -29,28 +28,7 @@ ALIGNED = 8
 
 
 def tiny_model(variant: str) -> LanguageModel:
-    cfg = hope.load_config(
-        None,
-        [
-            f"model.variant={variant}",
-            "model.dim=16",
-            "model.n_layers=2",
-            "model.n_heads=2",
-            f"tokenizer.vocab_size={VOCAB}",
-            "model.cms_periods=[4, 8]",
-            "model.smt_chunk=2",
-            "model.smt_mem_chunk=4",
-            "model.titans_chunk=4",
-            "model.titans_persistent=2",
-            "model.titans_window=6",
-            # Large inner rates so that every write is visible at float64.
-            "model.cms_lr=1.0",
-            "model.smt_eta_scale=0.05",
-            "model.smt_retention_init=0.9",
-        ],
-    )
-    torch.manual_seed(0)
-    return hope.build_model(cfg.model).to(DT)
+    return tiny_lm(variant, "model.titans_persistent=2", "model.titans_window=6")
 
 
 def tokens(batch: int, length: int, seed: int) -> torch.Tensor:
