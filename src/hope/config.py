@@ -23,7 +23,6 @@ from typing import Any, Literal
 import yaml
 
 from hope.model.config import ModelConfig
-from hope.optim.inner import rule_knob_errors
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 
@@ -307,6 +306,31 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return base
 
 
+def _rule_knob_errors(name: str, momentum: float, erase: float) -> list[str]:
+    """What is wrong with (cms_rule, cms_momentum, cms_erase): a knob the rule ignores
+    must stay 0, so that no setting is silently without effect."""
+    errors = []
+    if not 0.0 <= momentum < 1.0 and not (name == "delta_momentum" and momentum == 1.0):
+        errors.append(f"model.cms_momentum={momentum} must be in [0, 1)")
+    if name == "gd" and momentum:
+        errors.append(
+            f"model.cms_momentum={momentum} has no effect with model.cms_rule=gd "
+            "(use momentum, dgd, delta_momentum or ortho_momentum)"
+        )
+    if name == "momentum" and not momentum:
+        errors.append("model.cms_rule=momentum needs model.cms_momentum > 0")
+    if name == "dgd" and not erase > 0:
+        errors.append("model.cms_rule=dgd needs model.cms_erase > 0 (the erase coefficient)")
+    if name in ("gd", "momentum", "ortho_momentum") and erase:
+        errors.append(
+            f"model.cms_erase={erase} has no effect with model.cms_rule={name} "
+            "(it is dgd's erase coefficient or delta_momentum's epsilon)"
+        )
+    if erase < 0:
+        errors.append(f"model.cms_erase={erase} must be >= 0")
+    return errors
+
+
 def _validate(cfg: Config) -> None:
     m, d = cfg.model, cfg.data
     checks = [
@@ -346,7 +370,7 @@ def _validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    rule_errors = rule_knob_errors(m.cms_rule, m.cms_momentum, m.cms_erase)
+    rule_errors = _rule_knob_errors(m.cms_rule, m.cms_momentum, m.cms_erase)
     if rule_errors:
         raise ConfigError(rule_errors[0])
     if m.vocab_size is None:

@@ -213,28 +213,3 @@ def make_inner_rule(
     if name == "ortho_momentum":
         return OrthoMomentumRule(lr, retention=retention, beta=momentum)
     raise ValueError(f"unknown inner rule {name!r}; expected one of {', '.join(RULES)}")
-
-
-def rule_knob_errors(name: str, momentum: float, erase: float) -> list[str]:
-    """What is wrong with (cms_rule, cms_momentum, cms_erase): a knob the rule ignores
-    must stay 0, so that no setting is silently without effect."""
-    errors = []
-    if not 0.0 <= momentum < 1.0 and not (name == "delta_momentum" and momentum == 1.0):
-        errors.append(f"model.cms_momentum={momentum} must be in [0, 1)")
-    if name == "gd" and momentum:
-        errors.append(
-            f"model.cms_momentum={momentum} has no effect with model.cms_rule=gd "
-            "(use momentum, dgd, delta_momentum or ortho_momentum)"
-        )
-    if name == "momentum" and not momentum:
-        errors.append("model.cms_rule=momentum needs model.cms_momentum > 0")
-    if name == "dgd" and not erase > 0:
-        errors.append("model.cms_rule=dgd needs model.cms_erase > 0 (the erase coefficient)")
-    if name in ("gd", "momentum", "ortho_momentum") and erase:
-        errors.append(
-            f"model.cms_erase={erase} has no effect with model.cms_rule={name} "
-            "(it is dgd's erase coefficient or delta_momentum's epsilon)"
-        )
-    if erase < 0:
-        errors.append(f"model.cms_erase={erase} must be >= 0")
-    return errors
