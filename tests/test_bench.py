@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hope
+from conftest import CLASSIC_SHELL
 from hope.bench import flops
 from hope.bench import run as bench_run
 from hope.bench.measure import LaunchCounter, count_host_syncs
@@ -41,7 +42,7 @@ def small_cfg(*extra: str) -> Config:
 
 
 def test_report_rows_are_finite_positive_and_relative_to_transformer(tmp_path: Path) -> None:
-    cfg = small_cfg("bench.variants=[transformer,hope_attention,no_such_variant]")
+    cfg = small_cfg("bench.variants=[transformer,hope_attention,no_such_variant]", *CLASSIC_SHELL)
     report = bench_run.run_bench(cfg, tmp_path / "bench.json", isolate=False)
     assert json.loads((tmp_path / "bench.json").read_text()) == report
     rows = report["tiny"]
@@ -197,6 +198,16 @@ def test_pilot_chunks_shape_is_the_pilot_chunking_in_one_small_layer() -> None:
         hope.build_model(dataclasses.replace(shape.model, variant=variant))  # type: ignore[arg-type]
 
 
+def test_pilot_shape_is_the_pilot_preset_in_two_layers_at_its_context() -> None:
+    cfg = load_config(PARAMS)
+    pilot = load_config(PARAMS, ["preset=pilot"])
+    shape = bench_run.bench_shape(cfg, "pilot")
+    assert (shape.seq_len, shape.model.n_layers) == (pilot.data.seq_len, 2)
+    for key in ("dim", "n_heads", "vocab_size", "cms_periods", "smt_chunk", "smt_mem_chunk",
+                "smt_expansion", "titans_chunk", "titans_window"):  # fmt: skip
+        assert getattr(shape.model, key) == getattr(pilot.model, key), key
+
+
 def test_launch_counter_counts_kernels_not_views_or_allocations() -> None:
     x = torch.randn(4, 4)
     with LaunchCounter() as launches:
@@ -204,7 +215,8 @@ def test_launch_counter_counts_kernels_not_views_or_allocations() -> None:
         y.t() if y.dim() == 2 else y.unsqueeze(0).transpose(0, 1)  # views only
         torch.empty(3, 3)  # an allocation, no kernel
         x.exp_().sum()  # two kernels
-    assert launches.count == 4
+        torch.ones(2, 4, 4) @ x  # one mm kernel, then a metadata-only _unsafe_view
+    assert launches.count == 5 + 1  # + the fill of torch.ones
 
 
 def _step_launches(variant: str, seq_len: int) -> int:

@@ -11,7 +11,8 @@
 - Launches: the aten operators one step dispatches to a backend kernel (forward,
   backward, clipping, optimizer), counted with a ``TorchDispatchMode``: below
   autograd, so backward ops count; composite ops arrive already decomposed. View
-  and metadata ops (no kernel) and bare allocations (``empty*``) do not count.
+  and metadata ops (no kernel: ``prim::`` ops, ``_unsafe_view``) and bare
+  allocations (``empty*``) do not count.
   In eager mode each counted op is one host-side launch (a foreach op is one
   launch over a list of tensors); it is the host cost a GPU step pays per call.
   Code inside ``torch.compile`` regions is not counted (launches_per_step is only
@@ -68,6 +69,7 @@ NO_KERNEL = frozenset(
         _aten.empty_like,
         _aten.detach,
         _aten.alias,
+        _aten._unsafe_view,  # a view without autograd's view tracking (matmul's reshape)
         _aten.lift_fresh,
         _aten.sym_size,
         _aten.sym_stride,
@@ -80,8 +82,9 @@ NO_KERNEL = frozenset(
 
 
 def launches_kernel(func: torch._ops.OpOverload) -> bool:
-    """Whether dispatching ``func`` runs a backend kernel (not a view or metadata op)."""
-    return not (func.is_view or func.overloadpacket in NO_KERNEL)
+    """Whether dispatching ``func`` runs a backend kernel (not a view or metadata op;
+    ``prim::`` ops such as ``prim.device`` only describe tensors)."""
+    return not (func.is_view or func.namespace == "prim" or func.overloadpacket in NO_KERNEL)
 
 
 class LaunchCounter(TorchDispatchMode):

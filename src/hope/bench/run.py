@@ -19,6 +19,8 @@ Shapes:
   16/64/256, SMT chunks 8/16, expansion 4, Titans chunk 64 and window 1024, head
   dim 64) in one layer of dim 128 at T = 1024, batch 1: the launches a paper-scale
   step pays per layer, at a size a CPU measures in seconds.
+- ``pilot``: the pilot preset's dims and chunking (dim 1024, 16 heads, vocab
+  32,000) in two layers at T = 4096, batch 4: a GPU shape (scripts/gpu_check.sh).
 
 Every row also counts the kernel launches of one step (``launches_per_step``, see
 :mod:`hope.bench.measure`): the host cost a GPU pays per step whatever its batch.
@@ -85,6 +87,17 @@ PILOT_CHUNKS_MODEL: dict[str, Any] = {
     "titans_window": 1024,
 }
 PILOT_CHUNKS_SEQ_LEN = 1024
+# The pilot preset's dims and chunking in two layers at its context (a GPU shape:
+# scripts/gpu_check.sh; far too slow for a CPU).
+PILOT_MODEL: dict[str, Any] = {
+    **PILOT_CHUNKS_MODEL,
+    "dim": 1024,
+    "n_layers": 2,
+    "n_heads": 16,
+    "vocab_size": 32_000,
+}
+PILOT_SEQ_LEN = 4096
+PILOT_BATCH = 4
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "vocab_size")
 
 
@@ -97,7 +110,8 @@ class Shape:
 
     def record(self) -> dict[str, Any]:
         """The exact shape, for the report: model knobs that define it plus seq and batch."""
-        keys = {"smoke": SMOKE_MODEL, "pilot_chunks": PILOT_CHUNKS_MODEL}.get(self.name, {})
+        keys = {"smoke": SMOKE_MODEL, "pilot_chunks": PILOT_CHUNKS_MODEL, "pilot": PILOT_MODEL}
+        keys = keys.get(self.name, {})
         model = {k: getattr(self.model, k) for k in (*keys, *SHAPE_KEYS)}
         return {**model, "seq_len": self.seq_len, "batch_size": self.batch_size}
 
@@ -111,7 +125,10 @@ def bench_shape(cfg: Config, name: str) -> Shape:
     if name == "pilot_chunks":
         model = dataclasses.replace(cfg.model, **PILOT_CHUNKS_MODEL)
         return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1)
-    raise ConfigError(f"bench.shapes: unknown shape {name!r} (tiny, smoke, pilot_chunks)")
+    if name == "pilot":
+        model = dataclasses.replace(cfg.model, **PILOT_MODEL)
+        return Shape(name, model, PILOT_SEQ_LEN, PILOT_BATCH)
+    raise ConfigError(f"bench.shapes: unknown shape {name!r} (tiny, smoke, pilot_chunks, pilot)")
 
 
 def check_bench_config(bench: BenchConfig) -> None:

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# One-shot GPU check: scripts/gpu_check.sh OUT_DIR
+#
+# For anyone with one CUDA GPU for a quarter of an hour: from a fresh checkout it
+# installs what it needs, then runs, unattended and within about 8 minutes,
+#   1. the CUDA sync-debug test (a training step of four variants under
+#      torch.cuda.set_sync_debug_mode("error"): no host syncs),
+#   2. compile parity (the torch.compile'd memory chunk steps equal eager ones;
+#      memory_backend=compile tests),
+#   3. the bench of every variant at the pilot_chunks shape (launches per step) and
+#      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
+#      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches,
+# and writes every log and report under OUT_DIR (summary.txt first). A failing part
+# is recorded and the next one still runs; the exit code is that of the first
+# failing part.
+#
+# Install: a torch already importable (a CUDA image, a conda env) is reused through
+# a --system-site-packages venv; otherwise pip installs the default torch wheel from
+# PyPI, which is the CUDA build on Linux. Without a CUDA device it stops there. The project itself is
+# installed without resolving its dependencies again (--no-deps) when offline.
+set -uo pipefail
+
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+summary="$out/summary.txt"
+: >"$summary"
+status=0
+
+note() { echo "$*" | tee -a "$summary"; }
+
+part() {  # part NAME LIMIT_SECONDS COMMAND...: run one part with a time limit, log it
+  local name=$1 limit=$2
+  shift 2
+  local started=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  note "$name: exit $rc in $((SECONDS - started)) s (log: $name.log)"
+  if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+}
+
+venv=.venv-gpu
+python3 -m venv --system-site-packages "$venv" || exit 1
+# shellcheck disable=SC1091
+source "$venv/bin/activate"
+if ! python -c 'import torch' 2>/dev/null; then
+  pip install -q torch || { note "install: torch could not be installed"; exit 1; }
+fi
+pip install -q -e ".[dev]" 2>"$out/install.log" || pip install -q --no-deps -e . 2>>"$out/install.log"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+python - <<'PY' | tee -a "$summary"
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {torch.cuda.get_device_name(0)}")
+PY
+[ "${PIPESTATUS[0]}" -eq 0 ] || { note "no CUDA device visible to torch"; exit 1; }
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
+# The bench stage writes reports/bench.json: keep the checkout's own and restore it.
+kept=$(mktemp)
+cp reports/bench.json "$kept" 2>/dev/null || true
+
+part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
+part compile_parity 180 python -m pytest -q -p no:cacheprovider \
+  tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
+
+bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.json
+  local name=$1
+  shift
+  part "bench_$name" 150 python stages/bench.py \
+    --set 'bench.variants=[transformer,hope_attention,hope,titans_lmm,titans_mac,titans_mag,titans_mal]' \
+    --set bench.device=cuda --set bench.precision=bf16 --set bench.warmup=1 --set bench.steps=3 "$@"
+  [ -f reports/bench.json ] && cp reports/bench.json "$out/bench_$name.json"
+}
+bench pilot_chunks --set 'bench.shapes=[pilot_chunks]'
+bench pilot --set 'bench.shapes=[pilot]'
+bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
+
+python - "$out" <<'PY' | tee -a "$summary"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+for name in ("pilot_chunks", "pilot", "pilot_compile"):
+    path = out / f"bench_{name}.json"
+    if not path.exists():
+        print(f"{name}: no report")
+        continue
+    report = json.loads(path.read_text())
+    for shape, rows in report.items():
+        if not isinstance(rows, dict) or shape in ("machine", "skipped", "config"):
+            continue
+        for variant, row in rows.items():
+            mfu = row["mfu"]
+            print(
+                f"{name:13s} {variant:15s} {row['tokens_per_s']:>10.0f} tok/s "
+                f"{row['step_ms']:>9.1f} ms  MFU {'-' if mfu is None else f'{mfu:.3f}'}  "
+                f"peak {row['peak_mem_mb']:>8.0f} MB  launches {row['launches_per_step']}  "
+                f"syncs {row['host_syncs_per_step']}"
+            )
+    for shape, skipped in report.get("skipped", {}).items():
+        for variant, reason in skipped.items():
+            print(f"{name:13s} {variant:15s} skipped: {reason}")
+PY
+[ -s "$kept" ] && cp "$kept" reports/bench.json
+rm -f "$kept"
+note "gpu_check: exit $status"
+exit "$status"
