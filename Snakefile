@@ -27,6 +27,7 @@ rule all:
         "reports/plots/passkey.png",
         "reports/plots/lr.png",
         "reports/bench.json",
+        "reports/recall.json",
 
 
 rule download:
@@ -134,3 +135,19 @@ rule bench:
     threads: CFG.bench.num_threads
     shell:
         "python stages/bench.py"
+
+
+rule recall:
+    input:
+        "stages/recall.py",
+        "src/hope/eval/recall.py",
+        "src/hope/model",
+        "src/hope/memory",
+        "src/hope/optim",
+        "src/hope/train",
+        PRESET,
+    output:
+        "reports/recall.json",
+    threads: CFG.recall.num_threads
+    shell:
+        "python stages/recall.py"

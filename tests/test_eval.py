@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import CLASSIC_SHELL
 from hope.cli import run_stage
 from hope.config import ConfigError, load_config
 from hope.eval import passkey
@@ -295,6 +296,7 @@ def test_eval_plot_release_stages_on_real_artifacts(
         "eval.passkey_trials=4",
         "eval.passkey_candidates=4",
         "train.device=cpu",
+        *CLASSIC_SHELL,  # untrained and near uniform: checked below
     ]
     sets = [f"--set={o}" for o in overrides]
     params = ["--params", str(ROOT / "params.yaml")]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hope
+from conftest import CLASSIC_SHELL
 from hope.bench.measure import count_host_syncs
 from hope.memory.cms import CMSLevel, naive_online_chain
 from hope.memory.fast_state import detach_state, tensor_leaves
@@ -300,7 +301,7 @@ def test_teach_pass_in_c1_calls_is_exact_online(variant: str, rule: str) -> None
         piece = slice(start, start + C1)
         logits, state = model.forward_teach(x[:, piece], y[:, piece], state)
         pieces.append(logits)
-    torch.testing.assert_close(torch.cat(pieces, dim=1), logits_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), logits_o, rtol=1e-13, atol=1e-12)
     assert_states_equal(state, state_o)
     assert max(leaf.abs().max() for leaf in tensor_leaves(state.blocks[1].cms)) > 1e-3
 
@@ -497,7 +498,7 @@ def test_one_cms_update_lowers_the_loss_on_the_same_tokens(variant: str) -> None
 def test_bf16_autocast_stays_close_with_fp32_states(variant: str) -> None:
     # cms_lr 0.1: the writes move the logits by ~75% of their size, yet bf16 rounding of
     # δ and of the factors is not amplified into them (at 1.0 it is, ~8%).
-    model = tiny_model(variant, "teach_pass", "model.cms_lr=0.1").float()
+    model = tiny_model(variant, "teach_pass", "model.cms_lr=0.1", *CLASSIC_SHELL).float()
     x, y = data()
     ref, _ = model.forward_teach(x, y)
     assert (ref - model(x)[0]).abs().max() > 0.5 * ref.abs().max()  # writes matter here

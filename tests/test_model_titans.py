@@ -174,13 +174,14 @@ def test_overfitting_one_batch_lowers_the_loss(variant: str) -> None:
     model = tiny_model(variant)
     x, y = tokens(2, 16), tokens(2, 16, seed=4)
     first = model.training_loss(x, y).item()
-    assert abs(first - torch.log(torch.tensor(float(VOCAB))).item()) < 0.15  # near uniform
+    uniform = torch.log(torch.tensor(float(VOCAB))).item()
+    assert first > uniform  # the default shell starts by predicting the token it reads
     optimizer = build_optimizer(model, hope.load_config(None, ["optim.lr=0.01"]).optim)
     for _ in range(30):
         optimizer.zero_grad()
         model.training_loss(x, y).backward()
         optimizer.step()
-    assert model.training_loss(x, y).item() < 0.5 * first
+    assert model.training_loss(x, y).item() < 0.5 * uniform
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -46,6 +46,11 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
         row = bench["tiny"][variant]
         assert row["tokens_per_s"] > 0 and row["host_syncs_per_step"] == 0
     assert bench["tiny"]["transformer"]["relative_to_transformer"] == 1.0
+    recall = _json(dvc_repo / "reports/recall.json")
+    for variant in ("transformer", "hope"):
+        row = recall["variants"][variant]
+        assert [step for step, _ in row["curve"]] == [2, 4] and 0.0 <= row["accuracy"] <= 1.0
+        assert row["chance"] == 1 / recall["config"]["num_pairs"]
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
     assert "ok" in verify.stdout
 

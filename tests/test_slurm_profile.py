@@ -60,6 +60,11 @@ SMALL_RUN = {
     ("train", "num_threads"): 1,
     ("bench", "num_threads"): 1,
     ("tokenizer", "num_threads"): 2,
+    ("recall", "variants"): ["transformer"],
+    ("recall", "steps"): 2,
+    ("recall", "batch_size"): 2,
+    ("recall", "eval_sequences"): 4,
+    ("recall", "num_threads"): 1,
 }
 
 
@@ -82,6 +87,7 @@ def _expected_resources(rule: str, repo: Path) -> dict[str, object]:
         "train": cfg.train.num_threads,
         "eval": cfg.train.num_threads,
         "bench": cfg.bench.num_threads,
+        "recall": cfg.recall.num_threads,
     }
     resources["cpus_per_task"] = threads.get(rule, 1)
     return resources

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hope
+from conftest import CLASSIC_SHELL
 from hope.bench.measure import count_host_syncs
 from hope.config import TrainConfig
 from hope.data.shards import ShardedTokens
@@ -258,7 +259,7 @@ def test_setup_runtime_sets_the_memory_backend() -> None:
 
 
 def test_zero_steps_reports_the_initial_model(tmp_path: Path) -> None:
-    metrics = run(tmp_path, "train.steps=0")
+    metrics = run(tmp_path, "train.steps=0", *CLASSIC_SHELL)
     assert metrics["steps"] == 0 and metrics["train_loss"] is None
     assert abs(metrics["val_loss"] - math.log(VOCAB)) < 0.1  # untrained: near uniform
     assert latest(tmp_path / "ckpt").name == "step_0000000.pt"

@@ -132,15 +132,16 @@ class BenchConfig:
     """The ``bench`` stage: one training step (forward, backward, AdamW) per variant
     at fixed shapes (``tiny``: the preset's model; ``smoke``: the predecessor's smoke
     shape, docs/ANCHORS.md "Speed"; ``pilot_chunks``: one layer with the pilot
-    preset's chunking at T = 1024). See :mod:`hope.bench.run`."""
+    preset's chunking at T = 1024; ``pilot``, a GPU shape: the pilot preset's dims in two
+    layers at T = 4096). See :mod:`hope.bench.run`."""
 
     variants: list[str] = field(
         default_factory=lambda: ["transformer", "hope_attention", "hope", "titans_mac"]
     )
-    shapes: list[Literal["tiny", "smoke", "pilot_chunks"]] = field(
+    shapes: list[Literal["tiny", "smoke", "pilot_chunks", "pilot"]] = field(
         default_factory=lambda: ["tiny", "smoke", "pilot_chunks"]
     )
-    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4, pilot_chunks at 1
+    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4, pilot_chunks 1, pilot 4
     warmup: int = 2
     steps: int = 5
     seed: int = 0
@@ -148,6 +149,29 @@ class BenchConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     num_threads: int = 2  # torch intra-op threads while measuring (as train.num_threads)
     memory_backend: Literal["torch", "compile", "fla"] = "torch"  # as train.memory_backend
+
+
+@dataclass
+class RecallConfig:
+    """The ``recall`` stage: multi-query associative recall (MQAR, Zoology), a small
+    synthetic training + eval per variant (:mod:`hope.eval.recall`). Every model
+    knob not set here comes from the ``model`` section (shell, mechanisms, chunking).
+    """
+
+    variants: list[str] = field(default_factory=lambda: ["transformer", "hope"])
+    steps: int = 400
+    batch_size: int = 32
+    seq_len: int = 64  # input tokens per sequence
+    num_pairs: int = 8  # key-value pairs per sequence (chance = 1 / num_pairs)
+    vocab_size: int = 128  # keys from the lower half, values from the upper half
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    lr: float = 3e-3
+    eval_sequences: int = 256
+    eval_every: int = 100
+    seed: int = 0
+    num_threads: int = 2  # torch intra-op threads (as train.num_threads)
 
 
 @dataclass
@@ -161,6 +185,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -352,6 +377,10 @@ def _validate(cfg: Config) -> None:
             f"model.cms_periods[0]={m.cms_periods[:1]} must be a multiple of "
             f"model.smt_mem_chunk={m.smt_mem_chunk} for variant hope with "
             "cms_mode=exact_online (it streams the self-modifying Titans in C1-token calls)",
+        ),
+        (
+            m.embed_init_std is None or m.embed_init_std > 0,
+            f"model.embed_init_std={m.embed_init_std} must be > 0 (or null: model.init_std)",
         ),
         (0.0 <= d.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
         (d.seq_len > 0, "data.seq_len must be positive"),

@@ -1,6 +1,6 @@
 """The language-model shell shared by every variant (MECHANISMS §1 "Shell").
 
-tokens [B, T] -> embedding -> L blocks -> final RMSNorm -> tied LM head -> logits [B, T, V].
+tokens [B, T] -> embedding -> L blocks -> [final RMSNorm] -> tied LM head -> logits [B, T, V].
 Blocks follow one contract: ``init_state(batch_size, device) -> state`` and
 ``forward(x [B, T, d], state, pos: int) -> (x, state)``.
 """
@@ -39,11 +39,14 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.blocks = blocks
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # model.final_norm: RMSNorm before the tied head, or none (the head then reads
+        # the residual stream as it is).
+        self.norm: nn.Module = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.final_norm else nn.Identity()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std) everywhere; residual projections scaled by 1/sqrt(2L) (GPT-2).
+        """N(0, init_std) everywhere; residual projections scaled by 1/sqrt(2L) (GPT-2);
+        the tied embedding N(0, embed_init_std) when that is set.
 
         Modules that need a special init (gates, memory biases) define
         ``init_extra_parameters()``; it runs after the default init.
@@ -57,7 +60,8 @@ class LanguageModel(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
+                embed_std = self.cfg.embed_init_std
+                nn.init.normal_(module.weight, std=std if embed_std is None else embed_std)
         for module in self.modules():
             extra = getattr(module, "init_extra_parameters", None)
             if callable(extra):
