@@ -159,7 +159,7 @@ class RecallConfig:
     """
 
     variants: list[str] = field(default_factory=lambda: ["transformer", "hope"])
-    steps: int = 400
+    steps: int = 200  # hope learns MQAR within this; the transformer needs more (README)
     batch_size: int = 32
     seq_len: int = 64  # input tokens per sequence
     num_pairs: int = 8  # key-value pairs per sequence (chance = 1 / num_pairs)
@@ -169,7 +169,7 @@ class RecallConfig:
     n_heads: int = 2
     lr: float = 3e-3
     eval_sequences: int = 256
-    eval_every: int = 100
+    eval_every: int = 50
     seed: int = 0
     num_threads: int = 2  # torch intra-op threads (as train.num_threads)
 
