@@ -34,7 +34,7 @@ from hope.model.lm import LanguageModel
 from hope.model.registry import build_model
 from hope.optim.outer import build_optimizer
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
-from hope.train.loop import autocast
+from hope.train.loop import autocast, train_step
 from hope.train.schedule import build_scheduler
 
 log = logging.getLogger("hope.recall")
@@ -160,15 +160,22 @@ def train_recall(cfg: Config, variant: str) -> dict[str, Any]:
         batch = mqar_batch(
             recall.batch_size, recall.seq_len, recall.num_pairs, recall.vocab_size, train_gen
         ).to(device)
-        optimizer.zero_grad(set_to_none=True)
-        with autocast(device, amp_dtype):
-            logits, _ = model.forward_teach(batch.inputs, batch.targets)
-        loss = query_loss(logits, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.detach())
+
+        def loss_fn(x: torch.Tensor, y: torch.Tensor, batch: RecallBatch = batch) -> torch.Tensor:
+            return query_loss(model.forward_teach(x, y)[0], batch)
+
+        losses.append(
+            train_step(
+                model,
+                optimizer,
+                scheduler,
+                batch.inputs,
+                batch.targets,
+                optim_cfg.grad_clip,
+                amp_dtype,
+                loss_fn,
+            )  # fmt: skip
+        )
         if step % recall.eval_every == 0 or step == recall.steps:
             with autocast(device, amp_dtype):
                 curve.append((step, recall_accuracy(model, held_out)))

@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,15 @@ def train_step(
     y: torch.Tensor,
     grad_clip: float,
     amp_dtype: torch.dtype | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device."""
+    """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device.
+
+    ``loss_fn(x, y)`` replaces ``model.training_loss`` (e.g. a loss on some positions only).
+    """
     optimizer.zero_grad(set_to_none=True)
     with autocast(x.device, amp_dtype):
-        loss = model.training_loss(x, y)
+        loss = (loss_fn or model.training_loss)(x, y)
     loss.backward()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
