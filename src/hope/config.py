@@ -379,6 +379,11 @@ def _validate(cfg: Config) -> None:
             "cms_mode=exact_online (it streams the self-modifying Titans in C1-token calls)",
         ),
         (
+            not (m.cms_adaptive_lr and m.cms_mode == "static"),
+            "model.cms_adaptive_lr=true needs a cms_mode that writes in training "
+            "(teach_pass or exact_online): a static level never trains its rate gate",
+        ),
+        (
             m.embed_init_std is None or m.embed_init_std > 0,
             f"model.embed_init_std={m.embed_init_std} must be > 0 (or null: model.init_std)",
         ),

@@ -153,6 +153,7 @@ class CMSLevel(nn.Module):
         surprise_metric: str = "l2",
         init_std: float = 0.02,
         read_form: ReadForm = "auto",
+        adaptive_lr: bool = False,
     ) -> None:
         super().__init__()
         if period < 1 or hidden < 1:
@@ -173,9 +174,16 @@ class CMSLevel(nn.Module):
             )
         if read_form == "dual" and not rule.linear:
             raise ValueError(f"CMSLevel: the dual read needs a linear inner rule, not {rule!r}")
+        if read_form == "dual" and adaptive_lr:
+            raise ValueError("CMSLevel: the dual read has no graph through Δ; adaptive_lr needs it")
         self.read_form = read_form
         self.w_in = nn.Parameter(torch.randn(hidden, dim) * init_std)
         self.w_out = nn.Parameter(torch.randn(dim, hidden) * init_std)
+        # Data-dependent learning rate η_t = η · 2σ(w·a_t + b) (NL eq. 31's η_t^(ℓ));
+        # zero init: η_t = η, the fixed-rate level, until the outer loop moves it.
+        self.adaptive_lr = adaptive_lr
+        self.lr_gate_weight = nn.Parameter(torch.zeros(dim)) if adaptive_lr else None
+        self.lr_gate_bias = nn.Parameter(torch.zeros(())) if adaptive_lr else None
 
     def init_state(
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
@@ -200,6 +208,21 @@ class CMSLevel(nn.Module):
             updates=torch.zeros(batch_size, device=device),
         )
 
+    def lr_factors(self, x_norm: Tensor) -> Tensor:
+        """η_t / η = 2σ(w·a_t + b) per token [..., T] of the level inputs a [..., T, d]
+        (adaptive_lr). The inputs are constants here, as in every write: the outer
+        gradient reaches the gate's own parameters only."""
+        assert self.lr_gate_weight is not None and self.lr_gate_bias is not None
+        a = x_norm.detach()
+        logit = a @ self.lr_gate_weight.to(a.dtype) + self.lr_gate_bias.to(a.dtype)
+        return 2.0 * torch.sigmoid(logit)
+
+    def _fast(self, delta: Tensor, dtype: torch.dtype) -> Tensor:
+        """Δ as read: sg(Δ) for a fixed rate. With adaptive_lr, Δ is built from constant
+        inputs, δ and θ0 (all detached in the write) and in-graph rates η_t, so keeping
+        its graph trains the rate gate and nothing else (docs/FAITHFULNESS.md)."""
+        return (delta if self.adaptive_lr else delta.detach()).to(dtype)
+
     def _read(self, inputs: Tensor, delta_in: Tensor | None, delta_out: Tensor | None) -> Tensor:
         """MLP with weights θ0 + sg(Δ); inputs [..., C, d], deltas [..., h, d] / [..., d, h].
 
@@ -207,11 +230,11 @@ class CMSLevel(nn.Module):
         MECHANISMS §2 prescribes (docs/FAITHFULNESS.md)."""
         pre = inputs @ self.w_in.t()
         if delta_in is not None:
-            pre = pre + inputs @ delta_in.detach().to(inputs.dtype).transpose(-1, -2)
+            pre = pre + inputs @ self._fast(delta_in, inputs.dtype).transpose(-1, -2)
         hidden = F.gelu(pre)
         out = hidden @ self.w_out.t()
         if delta_out is not None:
-            out = out + hidden @ delta_out.detach().to(inputs.dtype).transpose(-1, -2)
+            out = out + hidden @ self._fast(delta_out, inputs.dtype).transpose(-1, -2)
         return out
 
     def forward(
@@ -281,6 +304,10 @@ class CMSLevel(nn.Module):
         mask = token_mask(scores, self.surprise_threshold, teach_mask)
         if mask is not None:
             teach = teach * mask[..., None]
+        if self.adaptive_lr:
+            # Σ_t η_t ∇ℓ_t = η Σ_t ∇ℓ_t(a_t, (η_t/η)·δ_t): every rule's gradient sums
+            # are linear in δ_t (the erase term of dgd has no δ and keeps η′).
+            teach = teach * self.lr_factors(x_norm).to(teach.dtype)[..., None]
         inputs_all = torch.cat([state.pending_inputs, x_norm.detach().to(teach.dtype)], dim=1)
         teach_all = torch.cat([state.pending_teach, teach], dim=1)
         scores_all = torch.cat([state.pending_scores, scores], dim=1)
@@ -345,7 +372,8 @@ class CMSLevel(nn.Module):
         self, layout: ChunkLayout, state: LevelState
     ) -> tuple[ChunkDeltas, LevelState]:
         """The per-chunk weight stacks of a laid-out call, and the new state."""
-        with torch.no_grad():
+        # Graph through the scan only for the rate gate (adaptive_lr; see _fast).
+        with torch.set_grad_enabled(self.adaptive_lr and torch.is_grad_enabled()):
             deltas_in, deltas_out, final = self._scan(
                 layout.inputs, layout.teach, layout.gates, state, layout.n_fire
             )
@@ -398,6 +426,8 @@ class CMSLevel(nn.Module):
         no larger than the materialised per-chunk weight stacks [n, h, d]."""
         if self.read_form != "auto":
             return self.read_form == "dual"
+        if self.adaptive_lr:
+            return False
         n_rows, chunk = layout.inputs.shape[1], layout.inputs.shape[2]
         return self.rule.linear and n_rows * chunk * layout.n_fire * chunk <= (
             n_rows * self.hidden * self.dim
@@ -530,6 +560,7 @@ class CMS(nn.Module):
             surprise_threshold=cfg.surprise_threshold,
             surprise_metric=cfg.surprise_metric,
             init_std=cfg.init_std,
+            adaptive_lr=cfg.cms_adaptive_lr,
         )
 
     def init_state(

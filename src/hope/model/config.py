@@ -58,6 +58,11 @@ class ModelConfig:
     cms_rule: Literal["gd", "momentum", "dgd", "delta_momentum", "ortho_momentum"] = "gd"
     cms_momentum: float = 0.0
     cms_erase: float = 0.0
+    # Data-dependent learning rate per token and level, eta_t = cms_lr * 2 sigmoid(w.a_t + b)
+    # (NL eq. 31's eta_t^(l); zero-initialised, so it starts at cms_lr). The outer
+    # gradient reaches (w, b) through the writes; everything else in them stays
+    # first-order. Needs a mode that writes in training (not static).
+    cms_adaptive_lr: bool = False
 
     # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
     # Tiny uses C_o = C_m = 16 (Python-level chunk loop cost on CPU); the paper-scale
