@@ -584,3 +584,28 @@ def test_variants_are_registered() -> None:
     assert {"hope", "hope_attention"} <= set(hope.VARIANTS)
     model = cast(HopeLM, tiny_model("hope_attention"))
     assert all(isinstance(b, HopeBlock) for b in model.blocks)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_independent_cms_levels_share_one_teach_signal_and_c1_calls_are_the_oracle(
+    variant: str,
+) -> None:
+    """model.cms_layout=independent: the levels' outputs add to one residual, so within a
+    layer every level's δ is the same tensor's gradient; chained C1 calls equal
+    exact_online as for the chain."""
+    model = tiny_model(variant, "teach_pass", "model.cms_layout=independent")
+    oracle = tiny_model(variant, "exact_online", "model.cms_layout=independent")
+    oracle.load_state_dict(model.state_dict())
+    x, y = data()
+    signal = teach_signal(model, x, y, model.init_state(2))
+    for layer in signal.deltas:
+        torch.testing.assert_close(layer[0], layer[1], rtol=0, atol=0)
+        assert layer[0].abs().max() > 1e-6
+    logits_o, state_o = oracle.forward_teach(x, y)
+    state, pieces = model.init_state(2), []
+    for start in range(0, T, C1):
+        piece = slice(start, start + C1)
+        logits, state = model.forward_teach(x[:, piece], y[:, piece], state)
+        pieces.append(logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), logits_o, rtol=1e-13, atol=1e-12)
+    assert_states_equal(state, state_o)

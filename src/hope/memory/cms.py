@@ -45,6 +45,7 @@ from hope.model.layers import RMSNorm
 from hope.optim.inner import InnerRule, make_inner_rule
 
 GradPoint = Literal["chunk_start", "base"]
+Layout = Literal["chain", "independent"]
 ReadForm = Literal["auto", "dual", "materialized"]
 
 
@@ -516,7 +517,8 @@ class LevelTap:
 
 
 class CMS(nn.Module):
-    """The chain x ← x + MLP_ℓ(N_ℓ(x)), ℓ = 1..k (NL eq. 30, pre-norm residual)."""
+    """The chain x ← x + MLP_ℓ(N_ℓ(x)), ℓ = 1..k (NL eq. 30, pre-norm residual), or the
+    same levels side by side on one input (``layout="independent"``)."""
 
     def __init__(
         self,
@@ -526,9 +528,15 @@ class CMS(nn.Module):
         rule: InnerRule,
         *,
         norm_eps: float = 1e-6,
+        layout: Layout = "chain",
         **level_kwargs: object,
     ) -> None:
         super().__init__()
+        if layout not in ("chain", "independent"):
+            raise ValueError(f"CMS: layout must be chain|independent, got {layout!r}")
+        # chain: x <- x + MLP_l(N_l(x)) in turn (eq. 30); independent: every level reads
+        # the block input, y = x + sum_l MLP_l(N_l(x)) (the levels in parallel, summed).
+        self.layout = layout
         periods = list(periods)
         if not periods or len(periods) != len(hiddens):
             raise ValueError(
@@ -561,6 +569,7 @@ class CMS(nn.Module):
             surprise_metric=cfg.surprise_metric,
             init_std=cfg.init_std,
             adaptive_lr=cfg.cms_adaptive_lr,
+            layout=cfg.cms_layout,
         )
 
     def init_state(
@@ -572,13 +581,17 @@ class CMS(nn.Module):
         self, x: Tensor, state: list[LevelState] | None = None
     ) -> tuple[Tensor, list[LevelTap]]:
         """Pass A / one exact_online chunk: read with each level's current Δ (θ0 if no state)."""
-        taps = []
+        taps, block_input = [], x
         for i, (norm, level) in enumerate(zip(self.norms, self.levels, strict=True)):
-            inputs = norm(x)
+            inputs = norm(self._level_input(x, block_input))
             output = level(inputs, None if state is None else state[i])
             taps.append(LevelTap(inputs, output))
             x = x + output
         return x, taps
+
+    def _level_input(self, x: Tensor, block_input: Tensor) -> Tensor:
+        """What level ℓ reads: the running sum (chain) or the block input (independent)."""
+        return block_input if self.layout == "independent" else x
 
     def write(
         self,
@@ -598,9 +611,10 @@ class CMS(nn.Module):
     ) -> tuple[Tensor, list[LevelState]]:
         """Pass B of teach_pass: level ℓ reads with θ0 + sg(Δ_n) built from its pass-B
         inputs and δ_ℓ of pass A (MECHANISMS §8.3b)."""
-        new_state = []
+        new_state, block_input = [], x
         for norm, level, teach, st in zip(self.norms, self.levels, teaches, state, strict=True):
-            out, st = level.teach_forward(norm(x), teach, st, **kwargs)  # type: ignore[operator]
+            inputs = norm(self._level_input(x, block_input))
+            out, st = level.teach_forward(inputs, teach, st, **kwargs)  # type: ignore[operator]
             x = x + out
             new_state.append(st)
         return x, new_state

@@ -63,6 +63,10 @@ class ModelConfig:
     # gradient reaches (w, b) through the writes; everything else in them stays
     # first-order. Needs a mode that writes in training (not static).
     cms_adaptive_lr: bool = False
+    # chain: each level reads the previous one's output (eq. 30); independent: every
+    # level reads the block input and their outputs are summed (NL-arXiv's
+    # independent CMS; docs/FAITHFULNESS.md).
+    cms_layout: Literal["chain", "independent"] = "chain"
 
     # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
     # Tiny uses C_o = C_m = 16 (Python-level chunk loop cost on CPU); the paper-scale
