@@ -10,6 +10,8 @@
 #   3. the bench of every variant at the pilot_chunks shape (launches per step) and
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
 #      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches,
+#   4. the projection of the pilot shape (hope.bench.projection: launches counted on
+#      this machine's CPU) beside its measured step (measured/eager = the error),
 # and writes every log and report under OUT_DIR (summary.txt first). A failing part
 # is recorded and the next one still runs; the exit code is that of the first
 # failing part.
@@ -69,12 +71,25 @@ bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.js
   shift
   part "bench_$name" 150 python stages/bench.py \
     --set 'bench.variants=[transformer,hope_attention,hope,titans_lmm,titans_mac,titans_mag,titans_mal]' \
-    --set bench.device=cuda --set bench.precision=bf16 --set bench.warmup=1 --set bench.steps=3 "$@"
+    --set bench.device=cuda --set bench.precision=bf16 --set bench.warmup=1 --set bench.steps=3 \
+    --set 'bench.project_presets=[]' "$@"
   [ -f reports/bench.json ] && cp reports/bench.json "$out/bench_$name.json"
 }
 bench pilot_chunks --set 'bench.shapes=[pilot_chunks]'
 bench pilot --set 'bench.shapes=[pilot]'
 bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
+
+# The projection of the pilot preset (launch counts on this machine's CPU) for the
+# bench's pilot shape, compared below with its measured step.
+part projection 300 python - "$out" <<'PY'
+import json, sys
+from pathlib import Path
+from hope.bench import projection
+variants = ["transformer", "hope_attention", "hope", "titans_lmm", "titans_mac", "titans_mag",
+            "titans_mal"]
+rows = {v: projection.project_variant("pilot", v) for v in variants}
+Path(sys.argv[1], "projection.json").write_text(json.dumps(rows, indent=1))
+PY
 
 python - "$out" <<'PY' | tee -a "$summary"
 import json, sys
@@ -87,7 +102,7 @@ for name in ("pilot_chunks", "pilot", "pilot_compile"):
         continue
     report = json.loads(path.read_text())
     for shape, rows in report.items():
-        if not isinstance(rows, dict) or shape in ("machine", "skipped", "config"):
+        if not isinstance(rows, dict) or shape in ("machine", "skipped", "config", "projection"):
             continue
         for variant, row in rows.items():
             mfu = row["mfu"]
@@ -100,6 +115,18 @@ for name in ("pilot_chunks", "pilot", "pilot_compile"):
     for shape, skipped in report.get("skipped", {}).items():
         for variant, reason in skipped.items():
             print(f"{name:13s} {variant:15s} skipped: {reason}")
+projected = out / "projection.json"
+measured = out / "bench_pilot.json"
+if projected.exists() and measured.exists():
+    rows, pilot = json.loads(projected.read_text()), json.loads(measured.read_text())["pilot"]
+    for variant, row in rows.items():
+        shape = row["bench_pilot_shape"]
+        h200 = shape["devices"]["H200"]
+        got = pilot.get(variant, {}).get("step_ms")
+        ratio = "-" if got is None else f"{got / h200['eager_ms']:.2f}"
+        print(f"projection {variant:15s} launches {shape['launches']:>9d} H200 eager "
+              f"{h200['eager_ms']:>9.1f} ms graph {h200['graph_ms']:>8.1f} ms floor "
+              f"{h200['floor_ms']:>7.1f} ms measured {got} ms  measured/eager {ratio}")
 PY
 [ -s "$kept" ] && cp "$kept" reports/bench.json
 rm -f "$kept"

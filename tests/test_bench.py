@@ -33,7 +33,7 @@ ROW_KEYS = {
 SMALL = (
     "model.dim=32", "model.n_heads=2", "tokenizer.vocab_size=64", "data.seq_len=16",
     "bench.batch_size=2", "bench.warmup=1", "bench.steps=2",
-    "bench.shapes=[tiny]", "bench.device=cpu",
+    "bench.shapes=[tiny]", "bench.device=cpu", "bench.project_presets=[]",
 )  # fmt: skip
 
 
@@ -274,7 +274,8 @@ def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "reports/bench.json").read_text())
     assert "bench tiny/transformer" in proc.stdout
-    assert set(report) == {"machine", "tiny", "smoke", "skipped", "config", "wall_s"}
+    assert set(report) == {"machine", "tiny", "smoke", "skipped", "config", "wall_s", "projection"}
+    assert report["projection"]["presets"] == {}
     assert report["skipped"] == {}
     for shape, tokens in (("tiny", 2 * 16), ("smoke", 4 * 64)):
         row = report[shape]["transformer"]

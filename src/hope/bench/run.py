@@ -24,6 +24,8 @@ Shapes:
 
 Every row also counts the kernel launches of one step (``launches_per_step``, see
 :mod:`hope.bench.measure`): the host cost a GPU pays per step whatever its batch.
+``projection`` holds, for each ``bench.project_presets`` entry and variant, the
+projected GPU step time and MFU on H200/H100/A100 (:mod:`hope.bench.projection`).
 
 Variants not registered in ``hope.VARIANTS`` and measurements that fail are
 recorded under ``skipped`` with the reason; the bench itself does not fail.
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 
-from hope.bench import flops
+from hope.bench import flops, projection
 from hope.bench import measure as m
 from hope.config import BenchConfig, Config, ConfigError, OptimConfig, TrainConfig, config_from_dict
 from hope.io import atomic_write_json
@@ -309,6 +311,7 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
         if threads and report["machine"]["torch_threads"] is None:
             report["machine"]["torch_threads"] = threads[0]
         report[name] = rows
+    report["projection"] = _project(cfg, VARIANTS, skipped)
     report["skipped"] = skipped
     report["config"] = {
         **dataclasses.asdict(bench),
@@ -318,6 +321,25 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
     report["wall_s"] = time.perf_counter() - started
     atomic_write_json(Path(out_path), report)
     return report
+
+
+def _project(
+    cfg: Config, registered: Sequence[str], skipped: dict[str, dict[str, str]]
+) -> dict[str, Any]:
+    """``bench.project_presets`` x ``bench.variants``: projected GPU steps (launch
+    counts on this CPU, see :mod:`hope.bench.projection`); failures go to skipped."""
+    presets: dict[str, dict[str, Any]] = {}
+    for preset in cfg.bench.project_presets:
+        rows: dict[str, Any] = {}
+        for variant in (v for v in cfg.bench.variants if v in registered):
+            try:
+                rows[variant] = projection.project_variant(preset, variant)
+            except Exception as err:  # noqa: BLE001 - keep the other projections
+                skipped.setdefault(f"projection/{preset}", {})[variant] = (
+                    f"{type(err).__name__}: {err}"
+                )
+        presets[preset] = rows
+    return {"constants": projection.constants(), "presets": presets}
 
 
 def _measure_into(

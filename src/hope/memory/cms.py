@@ -423,16 +423,12 @@ class CMSLevel(nn.Module):
         return self.chunk_deltas(x_norm, teach, state, **kwargs)[1]  # type: ignore[arg-type]
 
     def uses_dual_read(self, layout: ChunkLayout) -> bool:
-        """The dual read needs a linear rule; take it when its [L, F] score matrices are
-        no larger than the materialised per-chunk weight stacks [n, h, d]."""
+        """The read form of this call (``read_form``, or ``prefers_dual_read`` for auto)."""
         if self.read_form != "auto":
             return self.read_form == "dual"
-        if self.adaptive_lr:
+        if self.adaptive_lr or not self.rule.linear:
             return False
-        n_rows, chunk = layout.inputs.shape[1], layout.inputs.shape[2]
-        return self.rule.linear and n_rows * chunk * layout.n_fire * chunk <= (
-            n_rows * self.hidden * self.dim
-        )
+        return prefers_dual_read(layout.inputs.shape[2], layout.n_fire, self.hidden, self.dim)
 
     def teach_forward(
         self,
@@ -460,6 +456,13 @@ class CMSLevel(nn.Module):
         )
         final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
         return out, self._advance(final, layout)
+
+
+def prefers_dual_read(chunk: int, n_fire: int, hidden: int, dim: int) -> bool:
+    """Auto read form of a linear-rule level: the dual read when its [L, F] score
+    matrices (F = n_fire·C written tokens) are no larger than the materialised
+    per-chunk weight stacks [n, h, d], i.e. n_fire·C² <= h·d."""
+    return n_fire * chunk * chunk <= hidden * dim
 
 
 def _slice_opt(value: Tensor | None, start: int, stop: int) -> Tensor | None:

@@ -1,0 +1,232 @@
+"""Projected GPU step time and MFU of the paper presets, from counts a CPU can make.
+
+A training step on a GPU costs at least its arithmetic or its memory traffic,
+whichever is larger, plus the host time of launching its kernels:
+
+    step ≈ max(FLOPs ÷ (peak · ACHIEVABLE), bytes ÷ bandwidth) + launches · launch cost
+
+- FLOPs: :func:`hope.bench.flops.training_flops_per_token` (matmul work) at the
+  preset's dims, times the tokens of one micro-batch.
+- bytes, a lower bound: the optimizer's traffic per parameter (bf16 weights read
+  in forward and backward, fp32 gradients written and read, AdamW's fp32 weight and
+  two moments read and written: 36 bytes) plus every layer's activations written
+  once and read once in backward, at the 34·d bytes per token per layer that
+  Korthikanti et al. (2022, "Reducing activation recomputation") count for a
+  transformer block without the s² score term (flash attention), used here for
+  every variant.
+- launches: the kernel-launching aten ops of one training step (forward, backward,
+  AdamW), counted with :class:`hope.bench.measure.LaunchCounter` on a model with the
+  preset's chunking, heads and layer structure but small widths, at two context
+  lengths and one and two layers. The count is exactly affine in the context length
+  (every loop runs per chunk, and the lengths are multiples of every chunk and
+  period) and in the layer count, so four counts give it at the preset's size
+  (``LaunchFit``; a test checks an extrapolated count against a direct one). Widths
+  change no launch except the CMS read form, which is set on every level to the one
+  the preset's widths choose at the preset's context (``prefers_dual_read``).
+
+Constants (``DEVICES``, ``ACHIEVABLE``, launch costs) are public figures or stated
+assumptions; ``scripts/gpu_check.sh`` measures the bench's ``pilot`` shape on a GPU
+so the projection can be checked against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hope.bench import flops
+from hope.bench.measure import LaunchCounter
+from hope.config import Config, OptimConfig, load_config
+from hope.memory.cms import CMS, CMSLevel, prefers_dual_read, split_hidden
+from hope.model.config import ModelConfig
+from hope.model.registry import build_model
+from hope.optim.outer import build_optimizer
+from hope.train.loop import train_step
+from hope.train.schedule import build_scheduler
+
+# name: (dense bf16 tensor-core peak FLOP/s, HBM bandwidth B/s), SXM parts, from
+# NVIDIA's data sheets (H200 SXM: 989 TFLOP/s, 4.8 TB/s; H100 SXM: 989, 3.35;
+# A100 SXM 80 GB: 312, 2.039).
+DEVICES: dict[str, tuple[float, float]] = {
+    "H200": (989e12, 4.8e12),
+    "H100": (989e12, 3.35e12),
+    "A100": (312e12, 2.039e12),
+}
+# Fraction of the peak that the matmuls of a large training step sustain (an
+# assumption, the 40% of the bench issue; well-tuned dense LMs report 40-55% MFU).
+ACHIEVABLE = 0.4
+# Host time per kernel launch: an eager PyTorch op costs a few microseconds of
+# Python + dispatcher + driver time (5 us assumed); a replayed CUDA graph removes
+# the host side, leaving about 1.5 us of GPU-side gap between tiny kernels.
+EAGER_LAUNCH_S = 5e-6
+GRAPH_LAUNCH_S = 1.5e-6
+OPTIMIZER_BYTES_PER_PARAM = 36
+ACTIVATION_BYTES_PER_TOKEN = 2 * 34  # × dim × layers: written once, read once
+MICRO_BATCH = 8  # sequences per micro-batch of a preset step (the launches do not scale with it)
+COUNT_WIDTH_PER_HEAD = 4  # counting models: dim = 4 × heads
+
+
+@dataclass(frozen=True)
+class LaunchFit:
+    """launches(L, T) = a + b·T + L·(c + e·T), exact from four counts."""
+
+    base: float  # a
+    base_per_token: float  # b
+    layer: float  # c
+    layer_per_token: float  # e
+    lengths: tuple[int, int]  # the two counting contexts
+
+    def predict(self, n_layers: int, seq_len: int) -> int:
+        per_layer = self.layer + self.layer_per_token * seq_len
+        return round(self.base + self.base_per_token * seq_len + n_layers * per_layer)
+
+
+def counting_lengths(cfg: ModelConfig) -> tuple[int, int]:
+    """(T1, 2·T1): T1 the smallest multiple of every chunk and period of ``cfg`` that
+    holds at least four memory chunks. The first chunks of a memory launch fewer
+    kernels (a Titans memory starts from its expanded meta parameters with zero
+    momentum: its first three chunks differ), so the counts start past them."""
+    sizes = [*cfg.cms_periods, cfg.smt_chunk, cfg.smt_mem_chunk, cfg.titans_chunk]
+    unit = math.lcm(*sizes)
+    chunk = max(cfg.smt_chunk, cfg.smt_mem_chunk, cfg.titans_chunk)
+    first = unit * -(-4 * chunk // unit)
+    return first, 2 * first
+
+
+def _read_forms(cfg: ModelConfig, seq_len: int) -> list[str]:
+    """Per CMS level, the read form the preset's widths choose at ``seq_len``."""
+    hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
+    return [
+        "dual" if prefers_dual_read(period, seq_len // period, hidden, cfg.dim) else "materialized"
+        for period, hidden in zip(cfg.cms_periods, hiddens, strict=True)
+    ]
+
+
+def count_step_launches(
+    cfg: ModelConfig, seq_len: int, n_layers: int, read_forms: list[str]
+) -> int:
+    """Kernel launches of one CPU training step (AdamW) of a narrow copy of ``cfg``."""
+    narrow = dataclasses.replace(
+        cfg, dim=COUNT_WIDTH_PER_HEAD * cfg.n_heads, n_layers=n_layers, vocab_size=64
+    )
+    torch.manual_seed(0)
+    model = build_model(narrow)
+    for module in model.modules():
+        if isinstance(module, CMS):
+            for level, form in zip(module.levels, read_forms, strict=True):
+                assert isinstance(level, CMSLevel)
+                if level.rule.linear and not level.adaptive_lr:
+                    level.read_form = form  # type: ignore[assignment]
+    model.train()
+    optim_cfg = OptimConfig()
+    optimizer = build_optimizer(model, optim_cfg)
+    scheduler = build_scheduler(optimizer, optim_cfg, 1)
+    tokens = torch.randint(0, 64, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    counter = LaunchCounter()
+    with counter:
+        train_step(model, optimizer, scheduler, tokens[:, :-1], tokens[:, 1:], 1.0, None)
+    return counter.count
+
+
+def fit_launches(cfg: ModelConfig, seq_len: int) -> LaunchFit:
+    """The affine launch model of ``cfg`` from four counts at its counting lengths, with
+    the CMS read forms the preset's widths choose at ``seq_len``."""
+    forms = _read_forms(cfg, seq_len)
+    short, long = counting_lengths(cfg)
+    counts = {
+        (layers, length): count_step_launches(cfg, length, layers, forms)
+        for layers in (1, 2)
+        for length in (short, long)
+    }
+    layer_short = counts[2, short] - counts[1, short]
+    layer_long = counts[2, long] - counts[1, long]
+    layer_per_token = (layer_long - layer_short) / (long - short)
+    layer = layer_short - layer_per_token * short
+    base_short, base_long = counts[1, short] - layer_short, counts[1, long] - layer_long
+    base_per_token = (base_long - base_short) / (long - short)
+    return LaunchFit(
+        base_short - base_per_token * short, base_per_token, layer, layer_per_token, (short, long)
+    )
+
+
+def project_step(
+    cfg: ModelConfig, seq_len: int, batch: int, launches: int, params: int
+) -> dict[str, Any]:
+    """Projected step of ``batch`` sequences on each device in ``DEVICES``."""
+    tokens = batch * seq_len
+    step_flops = flops.training_flops_per_token(cfg, seq_len) * tokens
+    activation_bytes = ACTIVATION_BYTES_PER_TOKEN * cfg.dim * cfg.n_layers * tokens
+    step_bytes = OPTIMIZER_BYTES_PER_PARAM * params + activation_bytes
+    devices = {}
+    for name, (peak, bandwidth) in DEVICES.items():
+        floor = max(step_flops / (peak * ACHIEVABLE), step_bytes / bandwidth)
+        eager, graph = floor + launches * EAGER_LAUNCH_S, floor + launches * GRAPH_LAUNCH_S
+        devices[name] = {
+            "floor_ms": floor * 1e3,
+            "eager_ms": eager * 1e3,
+            "graph_ms": graph * 1e3,
+            "eager_over_floor": eager / floor,
+            "mfu_eager": step_flops / (eager * peak),
+            "mfu_graph": step_flops / (graph * peak),
+        }
+    return {
+        "tokens": tokens,
+        "flops": step_flops,
+        "bytes": step_bytes,
+        "launches": launches,
+        "devices": devices,
+    }
+
+
+def preset_model(preset: str, variant: str) -> ModelConfig:
+    cfg: Config = load_config(None, [f"preset={preset}", f"model.variant={variant}"])
+    return cfg.model
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Parameters of ``cfg`` without allocating them (meta device)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def project_variant(preset: str, variant: str) -> dict[str, Any]:
+    """One preset's projection for ``variant``: its launch model, the preset step
+    (``MICRO_BATCH`` sequences) and the bench's ``pilot`` shape for the pilot preset."""
+    cfg = preset_model(preset, variant)
+    seq_len = load_config(None, [f"preset={preset}"]).data.seq_len
+    fit = fit_launches(cfg, seq_len)
+    launches = fit.predict(cfg.n_layers, seq_len)
+    row: dict[str, Any] = {
+        "launch_fit": dataclasses.asdict(fit),
+        "launches_per_layer": round(fit.layer + fit.layer_per_token * seq_len),
+        "micro_batch": project_step(cfg, seq_len, MICRO_BATCH, launches, count_parameters(cfg)),
+    }
+    if preset == "pilot":  # the bench's GPU shape: two layers, batch 4, T 4096
+        from hope.bench.run import PILOT_BATCH, PILOT_MODEL, PILOT_SEQ_LEN
+
+        shape = dataclasses.replace(cfg, **PILOT_MODEL)
+        row["bench_pilot_shape"] = project_step(
+            shape,
+            PILOT_SEQ_LEN,
+            PILOT_BATCH,
+            fit.predict(shape.n_layers, PILOT_SEQ_LEN),
+            count_parameters(shape),
+        )
+    return row
+
+
+def constants() -> dict[str, Any]:
+    return {
+        "devices_peak_bf16_flops_and_bandwidth": {k: list(v) for k, v in DEVICES.items()},
+        "achievable_fraction_of_peak": ACHIEVABLE,
+        "eager_launch_s": EAGER_LAUNCH_S,
+        "graph_launch_s": GRAPH_LAUNCH_S,
+        "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM,
+        "activation_bytes_per_token_per_dim_per_layer": ACTIVATION_BYTES_PER_TOKEN,
+        "micro_batch": MICRO_BATCH,
+    }

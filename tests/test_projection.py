@@ -1,0 +1,90 @@
+"""The GPU projection of the bench (hope.bench.projection): exact launch model,
+read forms of the preset widths, and the step-time arithmetic."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hope.bench import projection as p
+from hope.bench import run as bench_run
+from hope.config import load_config
+from hope.model.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# Small chunking: periods 4/8, SMT chunks 2/4, Titans chunk 4 (counting lengths 16, 32).
+SMALL_CHUNKS = {
+    "cms_periods": [4, 8], "smt_chunk": 2, "smt_mem_chunk": 4, "titans_chunk": 4,
+    "titans_window": 8, "n_heads": 2, "vocab_size": 64,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["hope", "titans_mac", "transformer"])
+def test_launch_fit_predicts_a_direct_count_at_another_depth_and_length(variant: str) -> None:
+    """Four counts (1-2 layers x T1, 2·T1) fix the affine model; it predicts a direct
+    count of three layers at a third length exactly (hope's first layer is cheaper:
+    pass A reuses its mixer)."""
+    cfg = ModelConfig(variant=variant, **SMALL_CHUNKS)  # type: ignore[arg-type]
+    assert p.counting_lengths(cfg) == (16, 32)
+    fit = p.fit_launches(cfg, 40)
+    forms = p._read_forms(cfg, 40)
+    assert fit.predict(3, 40) == p.count_step_launches(cfg, 40, 3, forms)
+    if variant != "transformer":
+        assert fit.layer_per_token > 0  # the chunk loops launch per chunk
+    else:
+        assert fit.layer_per_token == 0 and fit.base_per_token == 0
+
+
+def test_read_forms_are_the_ones_the_preset_widths_choose() -> None:
+    """n_fire·C² <= h·d at the preset's context: pilot reads every level in the dual
+    form; mid's 1024-token level (h = d = 1536) is materialised; target's sits on the
+    boundary (4·1024² = 2048·2048) and reads dual."""
+    assert p._read_forms(p.preset_model("pilot", "hope"), 4096) == ["dual"] * 3
+    assert p._read_forms(p.preset_model("mid", "hope"), 4096) == ["dual"] * 3 + ["materialized"]
+    assert p._read_forms(p.preset_model("target", "hope"), 4096) == ["dual"] * 4
+
+
+def test_step_projection_arithmetic() -> None:
+    cfg = p.preset_model("pilot", "transformer")
+    row = p.project_step(cfg, 4096, 8, launches=1000, params=10**8)
+    tokens = 8 * 4096
+    step_flops = 6 * (10 * (8 * 1024**2 + 4 * 1024 * 2048 + 6 * 1024 * 2752)) * tokens / 2
+    assert row["tokens"] == tokens and row["launches"] == 1000
+    assert row["flops"] > 0 and row["bytes"] == 36 * 10**8 + 68 * 1024 * 10 * tokens
+    h200 = row["devices"]["H200"]
+    floor = max(row["flops"] / (989e12 * 0.4), row["bytes"] / 4.8e12)
+    assert h200["floor_ms"] == pytest.approx(floor * 1e3)
+    assert h200["eager_ms"] == pytest.approx((floor + 1000 * 5e-6) * 1e3)
+    assert h200["graph_ms"] == pytest.approx((floor + 1000 * 1.5e-6) * 1e3)
+    assert h200["mfu_eager"] == pytest.approx(row["flops"] / (h200["eager_ms"] / 1e3 * 989e12))
+    assert h200["mfu_eager"] < h200["mfu_graph"] <= p.ACHIEVABLE
+    # A100: same FLOPs, a third of the peak -> a longer floor
+    assert row["devices"]["A100"]["floor_ms"] > h200["floor_ms"]
+    assert step_flops > 0  # (the exact FLOPs formula is tested in test_bench.py)
+
+
+def test_memory_bound_step_uses_bandwidth() -> None:
+    cfg = dataclasses.replace(p.preset_model("pilot", "transformer"), n_layers=1)
+    row = p.project_step(cfg, 16, 1, launches=0, params=10**10)  # huge optimizer traffic
+    h100 = row["devices"]["H100"]
+    assert h100["floor_ms"] == pytest.approx(row["bytes"] / 3.35e12 * 1e3)
+
+
+def test_bench_report_holds_the_projection(tmp_path: Path) -> None:
+    cfg = load_config(
+        ROOT / "params.yaml",
+        ["model.dim=32", "model.n_heads=2", "tokenizer.vocab_size=64", "data.seq_len=16",
+         "bench.batch_size=2", "bench.warmup=1", "bench.steps=1", "bench.shapes=[tiny]",
+         "bench.device=cpu", "bench.variants=[transformer]", "bench.project_presets=[pilot]"],
+    )  # fmt: skip
+    report = bench_run.run_bench(cfg, tmp_path / "bench.json", isolate=False)
+    projected = report["projection"]
+    assert projected["constants"]["achievable_fraction_of_peak"] == p.ACHIEVABLE
+    row = projected["presets"]["pilot"]["transformer"]
+    assert row["micro_batch"]["tokens"] == p.MICRO_BATCH * 4096
+    assert set(row["micro_batch"]["devices"]) == {"H200", "H100", "A100"}
+    shape = row["bench_pilot_shape"]
+    assert shape["tokens"] == 4 * 4096
+    assert shape["launches"] == round(row["launch_fit"]["base"] + 2 * row["launches_per_layer"])
