@@ -9,6 +9,7 @@ import torch
 
 import hope
 from hope.bench.measure import count_host_syncs
+from hope.memory.fast_state import tensor_leaves
 from hope.model.attention import CausalSelfAttention
 from hope.model.lm import LanguageModel
 from hope.model.sliding_attention import PersistentAttention, sliding_window_mask
@@ -48,7 +49,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 
 def state_tensors(state: TitansState) -> dict[str, torch.Tensor]:
     mem = state.memory
-    out = {"w1": mem.memory.w1, "w2": mem.memory.w2, "s1": mem.memory.m1, "s2": mem.memory.m2}
+    out = {f"memory{i}": t for i, t in enumerate(tensor_leaves(mem.memory))}
     if mem.conv_tail is not None:
         out["conv_tail"] = mem.conv_tail
     if state.cache is not None:
@@ -63,9 +64,11 @@ def assert_states_close(a: TitansState, b: TitansState, atol: float) -> None:
         torch.testing.assert_close(ta[name], tb[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_perturbing_later_tokens_leaves_earlier_logits_unchanged(variant: str) -> None:
-    model = tiny_model(variant).to(DT)
+@pytest.mark.parametrize(
+    ("variant", "depth"), [(v, 2) for v in VARIANTS] + [("titans_mac", 1), ("titans_lmm", 4)]
+)
+def test_perturbing_later_tokens_leaves_earlier_logits_unchanged(variant: str, depth: int) -> None:
+    model = tiny_model(variant, 0, f"model.titans_depth={depth}").to(DT)
     x = tokens(2, 13)
     logits, _ = model(x)
     for t in (0, 2, 5, 11):  # inside / at the end of a segment, and in the partial one
@@ -97,6 +100,9 @@ STREAM_CASES = [(v, [4, 8, 1], ()) for v in VARIANTS] + [
     (v, [4, 4, 4, 1], ()) for v in VARIANTS
 ] + [  # token by token (chunk 1) is the plain twin of the chunked/masked one-call forward
     (v, [1] * 13, ("model.titans_chunk=1",)) for v in VARIANTS
+] + [  # memories of depth L_M = 1 and 3 (Ti §3.1)
+    ("titans_lmm", [4, 8, 1], ("model.titans_depth=1",)),
+    ("titans_mac", [4, 4, 4, 1], ("model.titans_depth=3",)),
 ]  # fmt: skip
 
 
@@ -157,11 +163,15 @@ def test_forward_and_backward_never_change_parameters(variant: str) -> None:
         assert torch.equal(value, before[name]), name
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_every_parameter_gets_a_nonzero_gradient(variant: str) -> None:
+@pytest.mark.parametrize(
+    ("variant", "depth"), [(v, 2) for v in VARIANTS] + [("titans_lmm", 1), ("titans_mac", 3)]
+)
+def test_every_parameter_gets_a_nonzero_gradient(variant: str, depth: int) -> None:
     # The memory gates (theta, eta, alpha) and W_K, W_V act only through the
     # writes, so this also checks that outer gradients flow through them.
-    model = tiny_model(variant).to(DT)
+    model = tiny_model(variant, 0, f"model.titans_depth={depth}").to(DT)
+    n_init = len([n for n, _ in model.named_parameters() if "memory.init." in n])
+    assert n_init == 2 * depth  # two layers, each with its W_1..W_L
     x = tokens(2, 13)
     model.training_loss(x, tokens(2, 13, seed=3)).backward()
     for name, param in model.named_parameters():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hope.memory.deep_mlp import DeepFastWeights
 from hope.memory.residual_mlp import (
     chunk_kernel_bound,
     curvature_bound,
@@ -31,7 +32,11 @@ def _x(batch: int = 2, seq: int = T, seed: int = 1) -> torch.Tensor:
 
 def _tensors(state: NeuralMemoryState) -> dict[str, torch.Tensor]:
     m = state.memory
-    out = {"w1": m.w1, "w2": m.w2, "s1": m.m1, "s2": m.m2}
+    if isinstance(m, DeepFastWeights):  # titans_depth != 2: W_1..W_L and momenta
+        out = {f"w{i}": w for i, w in enumerate(m.weights)}
+        out |= {f"s{i}": s_ for i, s_ in enumerate(m.momenta)}
+    else:
+        out = {"w1": m.w1, "w2": m.w2, "s1": m.m1, "s2": m.m2}
     if state.conv_tail is not None:
         out["tail"] = state.conv_tail
     return out
@@ -49,7 +54,10 @@ def _param_grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch
     return dict(zip(names, torch.autograd.grad(loss, params, allow_unused=True), strict=True))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"titans_chunk": 1}, {"smt_conv_window": 0}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"titans_chunk": 1}, {"smt_conv_window": 0}, {"titans_depth": 1}, {"titans_depth": 3}],
+)
 def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
     module, x = _module(**overrides), _x()
     y_fast, s_fast = module(x, backend="torch")
@@ -85,8 +93,9 @@ def test_compiled_chunk_step_equals_eager():
         torch.testing.assert_close(g_c[name], g, rtol=0, atol=1e-12, msg=name)
 
 
-def test_batch_equals_single_runs_and_streaming_equals_one_call():
-    module, x = _module(), _x(batch=3)
+@pytest.mark.parametrize("depth", [2, 1, 4])
+def test_batch_equals_single_runs_and_streaming_equals_one_call(depth: int):
+    module, x = _module(titans_depth=depth), _x(batch=3)
     y, state = module(x)
     for b in range(3):
         y_b, s_b = module(x[b : b + 1])
@@ -100,9 +109,9 @@ def test_batch_equals_single_runs_and_streaming_equals_one_call():
     _assert_states_close(chained, state, atol=1e-12)
 
 
-@pytest.mark.parametrize("t", [3, 4, 10])
-def test_causal_perturbing_later_tokens_keeps_earlier_outputs(t):
-    module, x = _module(), _x()
+@pytest.mark.parametrize(("t", "depth"), [(3, 2), (4, 2), (10, 2), (4, 3), (10, 1)])
+def test_causal_perturbing_later_tokens_keeps_earlier_outputs(t, depth):
+    module, x = _module(titans_depth=depth), _x()
     y, _ = module(x)
     x2 = x.clone()
     x2[:, t:] += torch.randn_like(x2[:, t:])

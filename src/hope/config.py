@@ -389,6 +389,7 @@ def _validate(cfg: Config) -> None:
             "model.cms_adaptive_lr=true needs a cms_mode that writes in training "
             "(teach_pass or exact_online): a static level never trains its rate gate",
         ),
+        (m.titans_depth >= 1, f"model.titans_depth={m.titans_depth} must be >= 1"),
         (
             m.embed_init_std is None or m.embed_init_std > 0,
             f"model.embed_init_std={m.embed_init_std} must be > 0 (or null: model.init_std)",

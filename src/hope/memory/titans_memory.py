@@ -33,6 +33,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.memory.conv import CausalDepthwiseConv
+from hope.memory.deep_mlp import (
+    DeepFastWeights,
+    DeepMemoryInit,
+    deep_apply,
+    deep_factors,
+    deep_momentum_write,
+    naive_deep_write,
+)
 from hope.memory.ops.chunk import momentum_chunk_weights
 from hope.memory.ops.dispatch import compiled, momentum_write, resolve_backend
 from hope.memory.residual_mlp import (
@@ -75,8 +83,14 @@ def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor)
     cap 1 / (C (C + 1)) that followed lowered the inner loss of a written chunk by
     only 0.3% at the pilot chunk C = 64.
     """
-    w1, w2, k, eta, keep = (t.detach() for t in (w1, w2, k, eta, keep))
-    kernel = chunk_kernel_bound(w1, w2, k)  # [B, H, C, C]
+    kernel = chunk_kernel_bound(w1.detach(), w2.detach(), k.detach())  # [B, H, C, C]
+    return cap_from_kernel(kernel, eta, keep)
+
+
+def cap_from_kernel(kernel: Tensor, eta: Tensor, keep: Tensor) -> Tensor:
+    """theta_max [B, H, 1] = 1 / max(1, rho) from a chunk's kernel bound K [B, H, C, C]
+    (``chunk_step_cap``; any memory depth)."""
+    kernel, eta, keep = kernel.detach(), eta.detach(), keep.detach()
     curvature = kernel.diagonal(dim1=-2, dim2=-1).clamp_min(1.0)
     rho = overshoot_ratio(kernel, momentum_chunk_weights(eta, keep) / curvature)  # [B, H]
     return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
@@ -84,9 +98,10 @@ def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor)
 
 @dataclass
 class NeuralMemoryState:
-    """Per-sample fast state: weights, surprise momentum (in m1/m2), conv tail."""
+    """Per-sample fast state: weights, surprise momentum (m1/m2, or the momenta of a
+    memory of depth != 2), conv tail."""
 
-    memory: FastWeights
+    memory: FastWeights | DeepFastWeights
     conv_tail: Tensor | None  # [B, W-1, 3d]
     chunks_done: int = 0
 
@@ -118,7 +133,14 @@ class NeuralMemory(nn.Module):
         nn.init.normal_(self.gates.weight, std=cfg.init_std)
         self.init_extra_parameters()
         hidden = cfg.smt_expansion * self.d_head
-        self.init = MemoryInit(cfg.n_heads, self.d_head, hidden, self.d_head, cfg.init_std)
+        # Depth L_M (Ti §3.1): 2 runs the two-layer fast path of residual_mlp; any other
+        # depth the general one of deep_mlp (equal at L_M = 2, tests).
+        self.depth = cfg.titans_depth
+        self.init: MemoryInit | DeepMemoryInit = (
+            MemoryInit(cfg.n_heads, self.d_head, hidden, self.d_head, cfg.init_std)
+            if self.depth == 2
+            else DeepMemoryInit(cfg.n_heads, self.d_head, hidden, self.depth, cfg.init_std)
+        )
         self.w_o = nn.Linear(cfg.dim, cfg.dim, bias=False)
         nn.init.normal_(self.w_o.weight, std=cfg.init_std)
 
@@ -188,7 +210,7 @@ class NeuralMemory(nn.Module):
 
     def _chunk_step(
         self,
-        fast: FastWeights,
+        fast: FastWeights | DeepFastWeights,
         q: Tensor,
         k: Tensor,
         v: Tensor,
@@ -196,13 +218,15 @@ class NeuralMemory(nn.Module):
         eta: Tensor,
         alpha: Tensor,
         backend: str | None,
-    ) -> tuple[FastWeights, Tensor]:
+    ) -> tuple[FastWeights | DeepFastWeights, Tensor]:
         """Read M(q) at the chunk-start state, then write the chunk (Ti eqs. 13-14);
         q, k, v [B, H, C, d_h], gates [B, H, C]."""
+        keep = 1.0 - alpha
+        if isinstance(fast, DeepFastWeights):
+            return self._deep_chunk_step(fast, q, k, v, theta, eta, keep, backend)
         read = mlp_apply(fast.w1, fast.w2, q, residual=True)
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
-        keep = 1.0 - alpha
         curvature = curvature_bound(fast.w1, fast.w2, k).clamp_min(1.0)
         cap = chunk_step_cap(fast.w1, fast.w2, k, eta, keep)
         step = cap * theta / curvature
@@ -210,3 +234,30 @@ class NeuralMemory(nn.Module):
             fast, k, v, step, eta, keep, objective="l2", residual=True, backend=backend
         )
         return fast, read
+
+    @staticmethod
+    def _deep_chunk_step(
+        fast: DeepFastWeights,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        theta: Tensor,
+        eta: Tensor,
+        keep: Tensor,
+        backend: str | None,
+    ) -> tuple[DeepFastWeights, Tensor]:
+        """``_chunk_step`` for a memory of depth != 2 (``deep_mlp``), with the same capped
+        inner step: a deviation (docs/FAITHFULNESS.md, ``chunk_step_cap``)."""
+        read = deep_apply(fast.weights, q)
+        factors = deep_factors(fast.weights, k, v)
+        step = cap_from_kernel(factors.coupling, eta, keep) * theta
+        step = step / factors.curvature.clamp_min(1.0)
+        if resolve_backend(backend) == "naive":
+            return naive_deep_write(fast, k, v, step, eta, keep), read
+        return deep_momentum_write(fast, factors, step, eta, keep), read
+
+    def read(self, fast: FastWeights | DeepFastWeights, q: Tensor) -> Tensor:
+        """M(q) [B, H, T, d_h] with the given fast weights (any depth)."""
+        if isinstance(fast, DeepFastWeights):
+            return deep_apply(fast.weights, q)
+        return mlp_apply(fast.w1, fast.w2, q, residual=True)

@@ -101,6 +101,9 @@ class ModelConfig:
     titans_chunk: int = 16
     titans_persistent: int = 4
     titans_window: int = 64
+    # Depth L_M of the Titans memory (Ti §3.1; the paper ablates 1-4): 1 is the
+    # linear memory z + W z, 2 the two-layer MLP of the fast path.
+    titans_depth: int = 2
 
     # Surprise gate (per sample, per chunk, on device). None disables the gate.
     surprise_threshold: float | None = None

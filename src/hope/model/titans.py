@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hope.memory.residual_mlp import FastWeights, mlp_apply
+from hope.memory.deep_mlp import DeepFastWeights
+from hope.memory.residual_mlp import FastWeights
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
 from hope.model.config import ModelConfig
@@ -174,12 +175,12 @@ class TitansMACBlock(_TitansBlock):
         self.write_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.gate = GatedCombine(cfg.dim, cfg.norm_eps)
 
-    def retrieve(self, x_n: Tensor, fast: FastWeights) -> Tensor:
+    def retrieve(self, x_n: Tensor, fast: FastWeights | DeepFastWeights) -> Tensor:
         """h = W_o M*(q(x)) for x_n [B, S, d] with the given memory weights (Ti eq. 21)."""
         batch, length, dim = x_n.shape
         heads = self.memory.n_heads
         q = F.silu(self.retrieve_q(x_n)).view(batch, length, heads, dim // heads).transpose(1, 2)
-        read = mlp_apply(fast.w1, fast.w2, F.normalize(q, dim=-1), residual=True)
+        read = self.memory.read(fast, F.normalize(q, dim=-1))
         return self.memory.w_o(read.transpose(1, 2).reshape(batch, length, dim))
 
     def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:

@@ -20,6 +20,8 @@ momentum per chunk").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -124,6 +126,40 @@ def momentum_chunk_weights(eta: Tensor, keep: Tensor) -> Tensor:
     return _chunk_end_weights(log_b, log_a)
 
 
+@dataclass
+class MomentumChunkWeights:
+    """Per-token and carried coefficients of one chunk's Titans write (all matrices)."""
+
+    to_weight: Tensor  # [B, H, C]  w_s theta_s: token s's gradient in W_C
+    to_momentum: Tensor  # [B, H, C]  (b_C/b_s) theta_s: token s's gradient in S_C
+    carry: Tensor  # [B, H, 1, 1]  c: S_0's share of W_C
+    keep_end: Tensor  # [B, H, 1, 1]  a_C
+    decay_end: Tensor  # [B, H, 1, 1]  b_C
+
+
+def momentum_chunk_coefficients(theta: Tensor, eta: Tensor, keep: Tensor) -> MomentumChunkWeights:
+    """The coefficients of ``chunk_momentum_update`` from theta, eta, keep [B, H, C]."""
+    log_b = torch.cumsum(torch.log(eta), dim=-1)  # log b_t
+    log_a = torch.cumsum(torch.log(keep), dim=-1)  # log a_t
+    return MomentumChunkWeights(
+        to_weight=_chunk_end_weights(log_b, log_a) * theta,
+        to_momentum=torch.exp(log_b[..., -1:] - log_b) * theta,
+        carry=torch.exp(log_a[..., -1:] - log_a + log_b).sum(-1)[..., None, None],
+        keep_end=torch.exp(log_a[..., -1])[..., None, None],
+        decay_end=torch.exp(log_b[..., -1])[..., None, None],
+    )
+
+
+def chunk_momentum_matrix(
+    w: Tensor, s: Tensor, err: Tensor, inp: Tensor, coef: MomentumChunkWeights
+) -> tuple[Tensor, Tensor]:
+    """One matrix's Titans chunk write, its per-token gradients g_t = err_t inp_tᵀ
+    (err [B, H, C, O], inp [B, H, C, I]) taken at the chunk start: (W_C, S_C)."""
+    to_w = (coef.to_weight.unsqueeze(-1) * err).transpose(-1, -2) @ inp
+    to_s = (coef.to_momentum.unsqueeze(-1) * err).transpose(-1, -2) @ inp
+    return coef.keep_end * w + coef.carry * s - to_w, coef.decay_end * s - to_s
+
+
 def chunk_momentum_update(
     w1: Tensor,
     w2: Tensor,
@@ -148,21 +184,7 @@ def chunk_momentum_update(
     g_t for W1 is E_t A_t^T and for W2 is D_t k_t^T. Shapes as in
     ``chunk_dgd_update``; theta/eta/keep [B, H, C]. Returns (w1, w2, s1, s2).
     """
-    log_b = torch.cumsum(torch.log(eta), dim=-1)  # log b_t
-    log_a = torch.cumsum(torch.log(keep), dim=-1)  # log a_t
-    weight_w = _chunk_end_weights(log_b, log_a) * theta  # [B, H, C]: w_s theta_s
-    carry = torch.exp(log_a[..., -1:] - log_a + log_b).sum(-1)[..., None, None]  # c
-    weight_s = torch.exp(log_b[..., -1:] - log_b) * theta  # (b_C/b_s) theta_s
-    b_end = torch.exp(log_b[..., -1])[..., None, None]
-    a_end = torch.exp(log_a[..., -1])[..., None, None]
-
-    def grad_sum(weight: Tensor) -> tuple[Tensor, Tensor]:
-        g1 = (weight.unsqueeze(-1) * e).transpose(-1, -2) @ a
-        g2 = (weight.unsqueeze(-1) * d).transpose(-1, -2) @ k
-        return g1, g2
-
-    gw1, gw2 = grad_sum(weight_w)
-    gs1, gs2 = grad_sum(weight_s)
-    new_w1 = a_end * w1 + carry * s1 - gw1
-    new_w2 = a_end * w2 + carry * s2 - gw2
-    return new_w1, new_w2, b_end * s1 - gs1, b_end * s2 - gs2
+    coef = momentum_chunk_coefficients(theta, eta, keep)
+    new_w1, new_s1 = chunk_momentum_matrix(w1, s1, e, a, coef)
+    new_w2, new_s2 = chunk_momentum_matrix(w2, s2, d, k, coef)
+    return new_w1, new_w2, new_s1, new_s2

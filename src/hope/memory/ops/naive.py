@@ -11,6 +11,8 @@ preconditioner and momentum are then applied token by token (Ref
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -94,6 +96,27 @@ def naive_dgd_update(
     return hom1 + m1_new, hom2 + m2_new, m1_new, m2_new
 
 
+def naive_momentum_layers(
+    weights: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    theta: Tensor,
+    eta: Tensor,
+    keep: Tensor,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Literal token loop of the Titans write (Ti eqs. 13-14) over one chunk, for any
+    number of matrices; grads[i] [B, H, C, O_i, I_i] per token at the chunk start."""
+    ws, ss = list(weights), list(momenta)
+    for t in range(theta.shape[2]):
+        theta_t = theta[:, :, t, None, None]
+        eta_t = eta[:, :, t, None, None]
+        keep_t = keep[:, :, t, None, None]
+        for i, g in enumerate(grads):
+            ss[i] = eta_t * ss[i] - theta_t * g[:, :, t]
+            ws[i] = keep_t * ws[i] + ss[i]
+    return ws, ss
+
+
 def naive_momentum_update(
     w1: Tensor,
     w2: Tensor,
@@ -106,12 +129,5 @@ def naive_momentum_update(
     keep: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Literal token loop of the Titans write (Ti eqs. 13-14) over one chunk."""
-    for t in range(g1.shape[2]):
-        theta_t = theta[:, :, t, None, None]
-        eta_t = eta[:, :, t, None, None]
-        keep_t = keep[:, :, t, None, None]
-        s1 = eta_t * s1 - theta_t * g1[:, :, t]
-        s2 = eta_t * s2 - theta_t * g2[:, :, t]
-        w1 = keep_t * w1 + s1
-        w2 = keep_t * w2 + s2
+    (w1, w2), (s1, s2) = naive_momentum_layers((w1, w2), (s1, s2), (g1, g2), theta, eta, keep)
     return w1, w2, s1, s2
