@@ -17,7 +17,14 @@ from hope.memory.cms import (
 )
 from hope.memory.fast_state import restore_state
 from hope.model.config import ModelConfig
-from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule, OrthoMomentumRule
+from hope.optim.inner import (
+    DGDRule,
+    GDRule,
+    InnerRule,
+    MomentumRule,
+    OrthoMomentumRule,
+    PrecondMomentumRule,
+)
 
 F64 = torch.float64
 DIM, HIDDEN = 5, 7
@@ -39,6 +46,7 @@ RULES = {
     "momentum": lambda: MomentumRule(0.1, retention=0.95, beta=0.8),
     "dgd_erase": lambda: DGDRule(0.1, erase=0.02, retention=0.97, beta=0.5),
     "orthogonal": lambda: OrthoMomentumRule(0.05, beta=0.7),
+    "precond": lambda: PrecondMomentumRule(0.2, retention=0.95, beta=0.6, damping=0.5),
 }
 
 

@@ -12,6 +12,7 @@ from hope.optim.inner import (
     GDRule,
     MomentumRule,
     OrthoMomentumRule,
+    PrecondMomentumRule,
     erase_term,
     make_inner_rule,
     newton_schulz,
@@ -155,6 +156,8 @@ def test_make_inner_rule_selects_by_name() -> None:
     assert type(delta) is DeltaMomentumRule and (delta.beta, delta.delta_coef) == (0.9, 0.5)
     ortho = make_inner_rule("ortho_momentum", 1e-3, 1.0, 0.8, 0.0)
     assert type(ortho) is OrthoMomentumRule and ortho.beta == 0.8
+    precond = make_inner_rule("precond_momentum", 1e-3, 1.0, 0.5, 2.0)
+    assert type(precond) is PrecondMomentumRule and (precond.beta, precond.damping) == (0.5, 2.0)
     with pytest.raises(ValueError, match="retention"):
         make_inner_rule("gd", 1e-3, 1.5, 0.0, 0.0)
     with pytest.raises(ValueError, match="unknown inner rule 'adam'"):
@@ -167,6 +170,7 @@ def test_make_inner_rule_selects_by_name() -> None:
         (["model.cms_momentum=0.9"], r"cms_momentum=0.9 has no effect with model.cms_rule=gd"),
         (["model.cms_rule=momentum"], r"cms_rule=momentum needs model.cms_momentum > 0"),
         (["model.cms_rule=dgd"], r"cms_rule=dgd needs model.cms_erase > 0"),
+        (["model.cms_rule=precond_momentum"], r"precond_momentum needs model.cms_erase > 0"),
         (["model.cms_rule=ortho_momentum", "model.cms_erase=0.1"], r"cms_erase=0.1 has no"),
         (["model.cms_rule=momentum", "model.cms_momentum=1.5"], r"cms_momentum=1.5 must be"),
         (["model.cms_rule=sgd"], r"model.cms_rule"),
@@ -175,3 +179,25 @@ def test_make_inner_rule_selects_by_name() -> None:
 def test_rule_knobs_that_would_do_nothing_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_precond_momentum_is_eq_21_with_the_inverse_input_second_moment() -> None:
+    """m ← βm − η G (εI + XᵀX/C)⁻¹ (Woodbury form) against the explicit I×I inverse,
+    over two chunks; a descent direction: ⟨G, G P⟩ > 0."""
+    rule = PrecondMomentumRule(0.1, retention=0.9, beta=0.5, damping=0.3)
+    delta, mom = torch.zeros(B, O, I, dtype=F64), torch.zeros(B, O, I, dtype=F64)
+    want_d, want_m = delta.clone(), mom.clone()
+    for chunk in range(2):
+        grad, inputs = rand(B, O, I, seed=chunk), rand(B, C, I, seed=10 + chunk)
+        delta, maybe = rule.step(delta, mom, grad, inputs, torch.zeros_like(grad))
+        mom = some(maybe)
+        second = inputs.transpose(1, 2) @ inputs / C
+        precond = torch.linalg.inv(0.3 * torch.eye(I, dtype=F64) + second)
+        step = grad @ precond
+        assert ((grad * step).sum(dim=(1, 2)) > 0).all()
+        want_m = 0.5 * want_m - 0.1 * step
+        want_d = 0.9 * want_d + want_m
+        torch.testing.assert_close(mom, want_m, rtol=0, atol=1e-13)
+        torch.testing.assert_close(delta, want_d, rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="damping"):
+        PrecondMomentumRule(0.1, damping=0.0)

@@ -280,6 +280,8 @@ RULE_KNOBS = {
                        "model.cms_erase=0.5"),
     "ortho_momentum": ("model.cms_rule=ortho_momentum", "model.cms_momentum=0.5",
                        "model.cms_lr=0.05"),
+    "precond_momentum": ("model.cms_rule=precond_momentum", "model.cms_momentum=0.5",
+                         "model.cms_erase=0.5"),
 }  # fmt: skip
 
 

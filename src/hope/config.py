@@ -352,10 +352,16 @@ def _rule_knob_errors(name: str, momentum: float, erase: float) -> list[str]:
         errors.append("model.cms_rule=momentum needs model.cms_momentum > 0")
     if name == "dgd" and not erase > 0:
         errors.append("model.cms_rule=dgd needs model.cms_erase > 0 (the erase coefficient)")
+    if name == "precond_momentum" and not erase > 0:
+        errors.append(
+            "model.cms_rule=precond_momentum needs model.cms_erase > 0 (the damping ε of "
+            "its preconditioner (εI + XᵀX/C)⁻¹)"
+        )
     if name in ("gd", "momentum", "ortho_momentum") and erase:
         errors.append(
             f"model.cms_erase={erase} has no effect with model.cms_rule={name} "
-            "(it is dgd's erase coefficient or delta_momentum's epsilon)"
+            "(it is dgd's erase coefficient, delta_momentum's epsilon or "
+            "precond_momentum's damping)"
         )
     if erase < 0:
         errors.append(f"model.cms_erase={erase} must be >= 0")

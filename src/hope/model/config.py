@@ -54,8 +54,11 @@ class ModelConfig:
     # The inner rule of every level (hope.optim.inner; NL §2.3): gd (eq. 31),
     # momentum (beta = cms_momentum), dgd (erase coefficient cms_erase, optional
     # momentum), delta_momentum (m <- m(beta I - eps G^T G) - eta G, eps = cms_erase),
-    # ortho_momentum (Delta <- a Delta - eta NS(m), m <- beta m + G).
-    cms_rule: Literal["gd", "momentum", "dgd", "delta_momentum", "ortho_momentum"] = "gd"
+    # ortho_momentum (Delta <- a Delta - eta NS(m), m <- beta m + G), precond_momentum
+    # (m <- beta m - eta G (eps I + X^T X / C)^-1, eps = cms_erase; NL eq. 21).
+    cms_rule: Literal[
+        "gd", "momentum", "dgd", "delta_momentum", "ortho_momentum", "precond_momentum"
+    ] = "gd"
     cms_momentum: float = 0.0
     cms_erase: float = 0.0
     # Data-dependent learning rate per token and level, eta_t = cms_lr * 2 sigmoid(w.a_t + b)

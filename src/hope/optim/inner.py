@@ -174,6 +174,45 @@ class DeltaMomentumRule(InnerRule):
         return self.retention * delta + new_m, new_m
 
 
+def precondition_by_inputs(grad: Tensor, inputs: Tensor, damping: float) -> Tensor:
+    """G (εI + XᵀX/C)⁻¹ for grad G [B, O, I] and the chunk's inputs X [B, C, I],
+    through Woodbury: (1/ε)(G − (G Xᵀ)(εC·I + X Xᵀ)⁻¹ X), one C×C solve per sample."""
+    chunk = inputs.shape[1]
+    eye = torch.eye(chunk, dtype=inputs.dtype, device=inputs.device)
+    system = damping * chunk * eye + inputs @ inputs.transpose(-1, -2)  # [B, C, C]
+    solved = torch.linalg.solve(system, inputs)  # (εC·I + X Xᵀ)⁻¹ X  [B, C, I]
+    return (grad - (grad @ inputs.transpose(-1, -2)) @ solved) / damping
+
+
+class PrecondMomentumRule(InnerRule):
+    """Preconditioned momentum (NL "More Expressive Association", eq. 21):
+
+        m ← βm − η G P;  Δ ← αΔ + m,   P = (εI + XᵀX/C)⁻¹
+
+    Eq. 21 leaves the value P_i open ("a function of gradients, e.g. information about
+    the Hessian"); ours is the inverse second moment of the map's inputs over the chunk,
+    the input factor of the Gauss–Newton curvature of a linear map (K-FAC). It shrinks
+    the step along directions the chunk's inputs share and never enlarges it past 1/ε.
+    """
+
+    uses_momentum = True
+    uses_inputs = True
+
+    def __init__(
+        self, lr: float, retention: float = 1.0, beta: float = 0.9, damping: float = 1.0
+    ) -> None:
+        super().__init__(lr, retention)
+        if damping <= 0:
+            raise ValueError(f"PrecondMomentumRule: damping must be > 0, got {damping}")
+        self.beta = beta
+        self.damping = damping
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        step = precondition_by_inputs(grad, inputs.to(grad.dtype), self.damping)
+        new_m = self.beta * momentum - self.lr * step
+        return self.retention * delta + new_m, new_m
+
+
 class OrthoMomentumRule(InnerRule):
     """Momentum with Newton–Schulz output (NL "None Linear Outputs", Muon-like):
 
@@ -194,14 +233,15 @@ class OrthoMomentumRule(InnerRule):
         return self.retention * delta - self.lr * newton_schulz(new_m, self.ns_steps), new_m
 
 
-RULES = ("gd", "momentum", "dgd", "delta_momentum", "ortho_momentum")
+RULES = ("gd", "momentum", "dgd", "delta_momentum", "ortho_momentum", "precond_momentum")
 
 
 def make_inner_rule(
     name: str, lr: float, retention: float, momentum: float, erase: float
 ) -> InnerRule:
     """The rule named by ``model.cms_rule`` with the CMS knobs (cms_lr, cms_retention,
-    cms_momentum = β, cms_erase = DGD's η′ or the delta rule's ε)."""
+    cms_momentum = β, cms_erase = DGD's η′, the delta rule's ε or the preconditioner's
+    damping ε)."""
     if name == "gd":
         return GDRule(lr, retention=retention)
     if name == "momentum":
@@ -212,4 +252,6 @@ def make_inner_rule(
         return DeltaMomentumRule(lr, retention=retention, beta=momentum, delta_coef=erase)
     if name == "ortho_momentum":
         return OrthoMomentumRule(lr, retention=retention, beta=momentum)
+    if name == "precond_momentum":
+        return PrecondMomentumRule(lr, retention=retention, beta=momentum, damping=erase)
     raise ValueError(f"unknown inner rule {name!r}; expected one of {', '.join(RULES)}")
