@@ -18,6 +18,7 @@ from hope.memory.cms import (
 from hope.memory.fast_state import restore_state
 from hope.model.config import ModelConfig
 from hope.optim.inner import (
+    DeepMomentumRule,
     DGDRule,
     GDRule,
     InnerRule,
@@ -47,6 +48,7 @@ RULES = {
     "dgd_erase": lambda: DGDRule(0.1, erase=0.02, retention=0.97, beta=0.5),
     "orthogonal": lambda: OrthoMomentumRule(0.05, beta=0.7),
     "precond": lambda: PrecondMomentumRule(0.2, retention=0.95, beta=0.6, damping=0.5),
+    "deep": lambda: DeepMomentumRule(0.3, retention=0.95, beta=0.6, width=3),
 }
 
 

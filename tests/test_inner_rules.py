@@ -7,6 +7,7 @@ import torch
 
 from hope.config import ConfigError, load_config
 from hope.optim.inner import (
+    DeepMomentumRule,
     DeltaMomentumRule,
     DGDRule,
     GDRule,
@@ -171,6 +172,8 @@ def test_make_inner_rule_selects_by_name() -> None:
         (["model.cms_rule=momentum"], r"cms_rule=momentum needs model.cms_momentum > 0"),
         (["model.cms_rule=dgd"], r"cms_rule=dgd needs model.cms_erase > 0"),
         (["model.cms_rule=precond_momentum"], r"precond_momentum needs model.cms_erase > 0"),
+        (["model.cms_rule=deep_momentum"], r"deep_momentum needs model.cms_momentum_width"),
+        (["model.cms_momentum_width=4"], r"cms_momentum_width=4 has no effect"),
         (["model.cms_rule=ortho_momentum", "model.cms_erase=0.1"], r"cms_erase=0.1 has no"),
         (["model.cms_rule=momentum", "model.cms_momentum=1.5"], r"cms_momentum=1.5 must be"),
         (["model.cms_rule=sgd"], r"model.cms_rule"),
@@ -201,3 +204,71 @@ def test_precond_momentum_is_eq_21_with_the_inverse_input_second_moment() -> Non
         torch.testing.assert_close(delta, want_d, rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="damping"):
         PrecondMomentumRule(0.1, damping=0.0)
+
+
+def _deep_momentum_by_autograd(
+    rule: DeepMomentumRule, delta: torch.Tensor, theta: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 23 written plainly: GD on ⟨m(û), u⟩ by torch.func (θ = (W_a − W_a0, W_bᵀ)),
+    retention toward θ0, then Δ ← αΔ + m_new(û)."""
+    r = rule.width
+    w_a0 = rule.key_init(grad[0].numel(), grad)
+
+    def memory(params: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu((w_a0 + params[:r]) @ key) @ params[r:]
+
+    def objective(params: torch.Tensor, key: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return (memory(params, key) * u).sum()
+
+    new_theta, new_delta = [], []
+    for b in range(grad.shape[0]):
+        u = grad[b].flatten()
+        key = u / u.norm()
+        params = rule.beta * theta[b] - rule.lr * torch.func.grad(objective)(theta[b], key, u)
+        new_theta.append(params)
+        new_delta.append(rule.retention * delta[b] + memory(params, key).view_as(grad[b]))
+    return torch.stack(new_delta), torch.stack(new_theta)
+
+
+def test_deep_momentum_is_gd_on_its_memory_objective_then_a_read() -> None:
+    """DMGD (eq. 23) against autograd over three chunks, from the rule's own init."""
+    rule = DeepMomentumRule(0.3, retention=0.9, beta=0.7, width=3)
+    assert rule.momentum_shape(O, I) == (6, O * I)
+    theta = torch.zeros(B, 6, O * I, dtype=F64)
+    delta = torch.zeros(B, O, I, dtype=F64)
+    want_d, want_t = delta.clone(), theta.clone()
+    for chunk in range(3):
+        grad = rand(B, O, I, seed=chunk)
+        delta, maybe = rule.step(delta, theta, grad)
+        theta = some(maybe)
+        want_d, want_t = _deep_momentum_by_autograd(rule, want_d, want_t, grad)
+        torch.testing.assert_close(theta, want_t, rtol=0, atol=1e-13)
+        torch.testing.assert_close(delta, want_d, rtol=0, atol=1e-13)
+        if chunk == 0:  # from W_b = 0: a GD step of size η‖gelu(W_a0 û)‖² along −u
+            keys = grad.flatten(1) / grad.flatten(1).norm(dim=1, keepdim=True)
+            feat = torch.nn.functional.gelu(keys @ rule.key_init(O * I, grad).T)  # [B, r]
+            scale = -0.3 * (feat * feat).sum(1)
+            torch.testing.assert_close(delta, scale[:, None, None] * grad, rtol=0, atol=1e-13)
+            assert (scale < 0).all()
+
+
+def test_deep_momentum_with_constant_features_is_plain_momentum() -> None:
+    """With gelu(W_a x) ≡ 1 the memory is value-less and eq. 23 is eq. 17-18's momentum."""
+
+    class ConstantFeatures(DeepMomentumRule):
+        @staticmethod
+        def features(pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.ones_like(pre), torch.zeros_like(pre)
+
+    deep = ConstantFeatures(0.1, retention=0.9, beta=0.5, width=1)
+    plain = MomentumRule(0.1, retention=0.9, beta=0.5)
+    theta = torch.zeros(B, 2, O * I, dtype=F64)
+    d_deep, d_plain = torch.zeros(B, O, I, dtype=F64), torch.zeros(B, O, I, dtype=F64)
+    m_plain = torch.zeros(B, O, I, dtype=F64)
+    for chunk in range(3):
+        grad = rand(B, O, I, seed=chunk)
+        d_deep, maybe = deep.step(d_deep, theta, grad)
+        theta = some(maybe)
+        d_plain, m_next = plain.step(d_plain, m_plain, grad)
+        m_plain = some(m_next)
+        torch.testing.assert_close(d_deep, d_plain, rtol=0, atol=1e-14)

@@ -282,6 +282,8 @@ RULE_KNOBS = {
                        "model.cms_lr=0.05"),
     "precond_momentum": ("model.cms_rule=precond_momentum", "model.cms_momentum=0.5",
                          "model.cms_erase=0.5"),
+    "deep_momentum": ("model.cms_rule=deep_momentum", "model.cms_momentum=0.5",
+                      "model.cms_momentum_width=2"),
 }  # fmt: skip
 
 

@@ -337,10 +337,20 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return base
 
 
-def _rule_knob_errors(name: str, momentum: float, erase: float) -> list[str]:
-    """What is wrong with (cms_rule, cms_momentum, cms_erase): a knob the rule ignores
-    must stay 0, so that no setting is silently without effect."""
+def _rule_knob_errors(name: str, momentum: float, erase: float, width: int = 0) -> list[str]:
+    """What is wrong with (cms_rule, cms_momentum, cms_erase, cms_momentum_width): a
+    knob the rule ignores must stay 0, so that no setting is silently without effect."""
     errors = []
+    if name == "deep_momentum" and width < 1:
+        errors.append(
+            "model.cms_rule=deep_momentum needs model.cms_momentum_width >= 1 "
+            "(the hidden width of its momentum MLP)"
+        )
+    if name != "deep_momentum" and width:
+        errors.append(
+            f"model.cms_momentum_width={width} has no effect with model.cms_rule={name} "
+            "(it is deep_momentum's MLP width)"
+        )
     if not 0.0 <= momentum < 1.0 and not (name == "delta_momentum" and momentum == 1.0):
         errors.append(f"model.cms_momentum={momentum} must be in [0, 1)")
     if name == "gd" and momentum:
@@ -357,7 +367,7 @@ def _rule_knob_errors(name: str, momentum: float, erase: float) -> list[str]:
             "model.cms_rule=precond_momentum needs model.cms_erase > 0 (the damping ε of "
             "its preconditioner (εI + XᵀX/C)⁻¹)"
         )
-    if name in ("gd", "momentum", "ortho_momentum") and erase:
+    if name in ("gd", "momentum", "ortho_momentum", "deep_momentum") and erase:
         errors.append(
             f"model.cms_erase={erase} has no effect with model.cms_rule={name} "
             "(it is dgd's erase coefficient, delta_momentum's epsilon or "
@@ -417,7 +427,7 @@ def _validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    rule_errors = _rule_knob_errors(m.cms_rule, m.cms_momentum, m.cms_erase)
+    rule_errors = _rule_knob_errors(m.cms_rule, m.cms_momentum, m.cms_erase, m.cms_momentum_width)
     if rule_errors:
         raise ConfigError(rule_errors[0])
     if m.vocab_size is None:

@@ -28,7 +28,6 @@ chunk and clears the buffer. All counts are static Python ints (no device syncs)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -42,7 +41,7 @@ from hope.memory.fast_state import where_samples
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.model.config import ModelConfig
 from hope.model.layers import RMSNorm
-from hope.optim.inner import InnerRule, make_inner_rule
+from hope.optim.inner import InnerRule, gelu_prime, make_inner_rule
 
 GradPoint = Literal["chunk_start", "base"]
 Layout = Literal["chain", "independent"]
@@ -113,13 +112,6 @@ class ChunkDeltas:
     delta_out: Tensor  # [B, n, d, h]
     offset: int  # pending tokens before the first new token (chunk 0 starts with them)
     chunk: int  # C
-
-
-def gelu_prime(z: Tensor) -> Tensor:
-    """d/dz of exact GELU z·Φ(z): Φ(z) + z·φ(z)."""
-    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-    pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
-    return cdf + z * pdf
 
 
 def grad_factors(
@@ -198,11 +190,16 @@ class CMSLevel(nn.Module):
 
         d, h = self.dim, self.hidden
         momentum = self.rule.uses_momentum
+
+        def mom_init(out_dim: int, in_dim: int) -> Tensor | None:
+            shape = self.rule.momentum_shape(out_dim, in_dim)
+            return zeros(batch_size, *shape) if momentum else None
+
         return LevelState(
             delta_in=zeros(batch_size, h, d),
             delta_out=zeros(batch_size, d, h),
-            mom_in=zeros(batch_size, h, d) if momentum else None,
-            mom_out=zeros(batch_size, d, h) if momentum else None,
+            mom_in=mom_init(h, d),
+            mom_out=mom_init(d, h),
             pending_inputs=zeros(batch_size, 0, d),
             pending_teach=zeros(batch_size, 0, d),
             pending_scores=zeros(batch_size, 0),
@@ -558,7 +555,12 @@ class CMS(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, grad_point: GradPoint = "chunk_start") -> CMS:
         rule = make_inner_rule(
-            cfg.cms_rule, cfg.cms_lr, cfg.cms_retention, cfg.cms_momentum, cfg.cms_erase
+            cfg.cms_rule,
+            cfg.cms_lr,
+            cfg.cms_retention,
+            cfg.cms_momentum,
+            cfg.cms_erase,
+            cfg.cms_momentum_width,
         )
         hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
         return cls(

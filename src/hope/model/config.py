@@ -55,12 +55,22 @@ class ModelConfig:
     # momentum (beta = cms_momentum), dgd (erase coefficient cms_erase, optional
     # momentum), delta_momentum (m <- m(beta I - eps G^T G) - eta G, eps = cms_erase),
     # ortho_momentum (Delta <- a Delta - eta NS(m), m <- beta m + G), precond_momentum
-    # (m <- beta m - eta G (eps I + X^T X / C)^-1, eps = cms_erase; NL eq. 21).
+    # (m <- beta m - eta G (eps I + X^T X / C)^-1, eps = cms_erase; NL eq. 21),
+    # deep_momentum (DMGD, NL eq. 23: an MLP memory of past gradients, hidden width
+    # cms_momentum_width, retention beta = cms_momentum; hope.optim.inner).
     cms_rule: Literal[
-        "gd", "momentum", "dgd", "delta_momentum", "ortho_momentum", "precond_momentum"
+        "gd",
+        "momentum",
+        "dgd",
+        "delta_momentum",
+        "ortho_momentum",
+        "precond_momentum",
+        "deep_momentum",
     ] = "gd"
     cms_momentum: float = 0.0
     cms_erase: float = 0.0
+    # deep_momentum (DMGD, NL eq. 23): hidden width r of the momentum MLP memory.
+    cms_momentum_width: int = 0
     # Data-dependent learning rate per token and level, eta_t = cms_lr * 2 sigmoid(w.a_t + b)
     # (NL eq. 31's eta_t^(l); zero-initialised, so it starts at cms_lr). The outer
     # gradient reaches (w, b) through the writes; everything else in them stays

@@ -16,9 +16,11 @@ Everything is sync-free: no Python branch depends on tensor values.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from hope.optim.newton_schulz import cubic_iteration
@@ -47,6 +49,12 @@ def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return cubic_iteration(x, steps, eps)
 
 
+def gelu_prime(z: Tensor) -> Tensor:
+    """d/dz of exact GELU z·Φ(z): Φ(z) + z·φ(z)."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+    return cdf + z * torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+
+
 class InnerRule(ABC):
     """One chunk-boundary update Δ, m ← rule(Δ, m, grad, inputs, weight), gated per sample."""
 
@@ -60,6 +68,11 @@ class InnerRule(ABC):
 
     uses_momentum: bool = False
     uses_inputs: bool = False
+
+    def momentum_shape(self, out_dim: int, in_dim: int) -> tuple[int, ...]:
+        """Shape of the momentum state of one map [O, I] (zero at context start)."""
+        return (out_dim, in_dim)
+
     # Elementwise and linear in (Δ, m, G) with scalar coefficients: Δ_n is a scalar
     # combination of Δ_0, m_0 and the chunk gradients (the CMS dual read relies on it).
     linear: bool = False
@@ -213,6 +226,69 @@ class PrecondMomentumRule(InnerRule):
         return self.retention * delta + new_m, new_m
 
 
+class DeepMomentumRule(InnerRule):
+    """Deep momentum gradient descent, DMGD (NL "More Expressive Memory", eq. 23):
+
+        θ_m ← θ_m0 + β(θ_m − θ_m0) − η ∇_θ ⟨m_θ(û), u⟩;   Δ ← αΔ + m_θ(û)
+
+    with u = G flattened (O·I), û = u/‖u‖, and the momentum memory an MLP
+    m_θ(x) = W_b gelu(W_a x), θ = (W_a [r, O·I], W_b [O·I, r]) per sample: a memory
+    of past gradients keyed by their direction. Eq. 23 leaves the memory's inner
+    objective open (its example ⟨m(uᵀ), 1⟩ does not reduce to momentum); ours is
+    the value-less objective of plain momentum (eq. 18's ⟨m, u⟩) with the memory's
+    output in place of m: with constant features (gelu(W_a û) ≡ 1) it is exactly
+    m ← βm − ηu, and otherwise the update is Σ_i c_i u_i with past gradients weighted by
+    their feature similarity to the current one. θ_m0: W_b = 0 and W_a a fixed random
+    N(0, 1) (``key_init``); like every rule's retention, β pulls θ back toward θ_m0
+    (decaying W_a to zero would erase the memory's addressing). The state is
+    θ − θ_m0 packed as [B, 2r, O·I] (rows of W_a − W_a0, then W_bᵀ), zero at start.
+    """
+
+    uses_momentum = True
+
+    def __init__(
+        self, lr: float, retention: float = 1.0, beta: float = 0.9, width: int = 4
+    ) -> None:
+        super().__init__(lr, retention)
+        if width < 1:
+            raise ValueError(f"DeepMomentumRule: width must be >= 1, got {width}")
+        self.beta = beta
+        self.width = width
+        self._keys: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+
+    def momentum_shape(self, out_dim: int, in_dim: int) -> tuple[int, ...]:
+        return (2 * self.width, out_dim * in_dim)
+
+    def key_init(self, size: int, like: Tensor) -> Tensor:
+        """W_a0 [r, size]: one fixed N(0, 1) draw per map size, cached per device."""
+        cache = (size, like.device, like.dtype)
+        if cache not in self._keys:
+            gen = torch.Generator().manual_seed(size)
+            draw = torch.randn(self.width, size, generator=gen, dtype=torch.float64)
+            self._keys[cache] = draw.to(device=like.device, dtype=like.dtype)
+        return self._keys[cache]
+
+    @staticmethod
+    def features(pre: Tensor) -> tuple[Tensor, Tensor]:
+        """The memory's hidden layer gelu(z) and its slope gelu′(z)."""
+        return F.gelu(pre), gelu_prime(pre)
+
+    def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
+        u = grad.flatten(1)  # [B, N]
+        key = u / u.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        d_a, w_bt = momentum.split(self.width, dim=1)  # [B, r, N] each
+        w_a0 = self.key_init(u.shape[1], u)
+        pre = ((w_a0 + d_a) @ key.unsqueeze(-1)).squeeze(-1)  # [B, r]
+        feat, slope = self.features(pre)
+        # ∇ of ⟨W_b gelu(W_a x), u⟩: W_b: u featᵀ; W_a: ((W_bᵀ u) ⊙ gelu′(pre)) xᵀ
+        back = (w_bt @ u.unsqueeze(-1)).squeeze(-1) * slope  # [B, r]
+        new_a = self.beta * d_a - self.lr * back.unsqueeze(-1) * key.unsqueeze(1)
+        new_bt = self.beta * w_bt - self.lr * feat.unsqueeze(-1) * u.unsqueeze(1)
+        new_feat, _ = self.features(((w_a0 + new_a) @ key.unsqueeze(-1)).squeeze(-1))
+        step = (new_feat.unsqueeze(1) @ new_bt).squeeze(1).view_as(grad)  # m_{i+1}(û_i)
+        return self.retention * delta + step, torch.cat([new_a, new_bt], dim=1)
+
+
 class OrthoMomentumRule(InnerRule):
     """Momentum with Newton–Schulz output (NL "None Linear Outputs", Muon-like):
 
@@ -233,15 +309,18 @@ class OrthoMomentumRule(InnerRule):
         return self.retention * delta - self.lr * newton_schulz(new_m, self.ns_steps), new_m
 
 
-RULES = ("gd", "momentum", "dgd", "delta_momentum", "ortho_momentum", "precond_momentum")
+RULES = (
+    "gd", "momentum", "dgd", "delta_momentum", "ortho_momentum", "precond_momentum",
+    "deep_momentum",
+)  # fmt: skip
 
 
 def make_inner_rule(
-    name: str, lr: float, retention: float, momentum: float, erase: float
+    name: str, lr: float, retention: float, momentum: float, erase: float, width: int = 0
 ) -> InnerRule:
     """The rule named by ``model.cms_rule`` with the CMS knobs (cms_lr, cms_retention,
     cms_momentum = β, cms_erase = DGD's η′, the delta rule's ε or the preconditioner's
-    damping ε)."""
+    damping ε, cms_momentum_width = DMGD's r)."""
     if name == "gd":
         return GDRule(lr, retention=retention)
     if name == "momentum":
@@ -254,4 +333,6 @@ def make_inner_rule(
         return OrthoMomentumRule(lr, retention=retention, beta=momentum)
     if name == "precond_momentum":
         return PrecondMomentumRule(lr, retention=retention, beta=momentum, damping=erase)
+    if name == "deep_momentum":
+        return DeepMomentumRule(lr, retention=retention, beta=momentum, width=width)
     raise ValueError(f"unknown inner rule {name!r}; expected one of {', '.join(RULES)}")
