@@ -90,6 +90,9 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 250
     batch_size: int = 16
+    # Rows per forward/backward (gradient accumulation; the step's gradient is the
+    # whole batch's); None = the whole batch at once.
+    micro_batch_size: int | None = None
     seed: int = 0
     # The numerics of a run (train and eval; hope.train.device.configure_numerics).
     # Every one of them changes the numbers, so none is left to the machine:
@@ -413,6 +416,12 @@ def _validate(cfg: Config) -> None:
         (0.0 <= d.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
         (d.seq_len > 0, "data.seq_len must be positive"),
         (cfg.train.batch_size > 0, "train.batch_size must be positive"),
+        (
+            cfg.train.micro_batch_size is None
+            or 1 <= cfg.train.micro_batch_size <= cfg.train.batch_size,
+            f"train.micro_batch_size={cfg.train.micro_batch_size} must be in "
+            f"[1, train.batch_size={cfg.train.batch_size}] (or null: the whole batch)",
+        ),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (
             cfg.train.num_threads >= 1,

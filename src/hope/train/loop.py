@@ -46,6 +46,13 @@ def autocast(
     return torch.autocast(device.type, dtype=dtype)
 
 
+def micro_slices(rows: int, micro_batch: int | None) -> list[slice]:
+    """Row slices of a batch of ``rows`` in micro-batches of ``micro_batch`` (the last may
+    be smaller; None: one slice). Static Python ints: no device reads."""
+    size = rows if micro_batch is None else micro_batch
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
 def train_step(
     model: LanguageModel,
     optimizer: torch.optim.Optimizer,
@@ -55,20 +62,32 @@ def train_step(
     grad_clip: float,
     amp_dtype: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    micro_batch: int | None = None,
 ) -> torch.Tensor:
     """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device.
 
-    ``loss_fn(x, y)`` replaces ``model.training_loss`` (e.g. a loss on some positions only).
+    ``loss_fn(x, y)`` replaces ``model.training_loss`` (e.g. a loss on some positions only);
+    either must be a mean over rows of equal weight. ``micro_batch``: gradient
+    accumulation over row slices of that size, each weighted by its share of the rows,
+    so the gradient is the whole batch's (fast state is per sample: the slices are
+    independent) and only one slice's activations are alive at a time.
     """
     optimizer.zero_grad(set_to_none=True)
-    with autocast(x.device, amp_dtype):
-        loss = (loss_fn or model.training_loss)(x, y)
-    loss.backward()
+    rows = x.shape[0]
+    total: torch.Tensor | None = None
+    for part in micro_slices(rows, micro_batch):
+        with autocast(x.device, amp_dtype):
+            loss = (loss_fn or model.training_loss)(x[part], y[part])
+        weight = (part.stop - part.start) / rows
+        (loss * weight if weight != 1.0 else loss).backward()
+        share = loss.detach() * weight
+        total = share if total is None else total + share
+    assert total is not None
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     scheduler.step()
-    return loss.detach()
+    return total
 
 
 @torch.no_grad()
@@ -77,17 +96,20 @@ def evaluate_loss(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
     amp_dtype: torch.dtype | None,
+    micro_batch: int | None = None,
 ) -> torch.Tensor:
-    """Mean CE per target token over the batches (the last may be smaller), on device."""
+    """Mean CE per target token over the batches (the last may be smaller), on device;
+    each batch in row slices of ``micro_batch`` (bounded memory, same value)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
     count = 0
     for x, y in batches:
-        with autocast(device, amp_dtype):
-            loss = model.training_loss(x.to(device), y.to(device))
-        total += loss.double() * y.numel()
-        count += y.numel()
+        for part in micro_slices(x.shape[0], micro_batch):
+            with autocast(device, amp_dtype):
+                loss = model.training_loss(x[part].to(device), y[part].to(device))
+            total += loss.double() * y[part].numel()
+            count += y[part].numel()
     model.train(was_training)
     return total / max(1, count)
 
@@ -204,7 +226,7 @@ class Trainer:
             loss = train_step(
                 self.model, self.optimizer, self.scheduler,
                 x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
-                self.cfg.optim.grad_clip, self.amp_dtype,
+                self.cfg.optim.grad_clip, self.amp_dtype, micro_batch=cfg.micro_batch_size,
             )  # fmt: skip
             self.interval_loss += loss.float()
             self.interval_steps += 1
@@ -239,7 +261,11 @@ class Trainer:
         val_loss = None
         if is_val:
             val_loss = evaluate_loss(
-                self.model, self.val_batches, self.device, self.amp_dtype
+                self.model,
+                self.val_batches,
+                self.device,
+                self.amp_dtype,
+                self.cfg.train.micro_batch_size,
             ).item()
         seconds = max(time.perf_counter() - interval_start, 1e-9)
         return {
