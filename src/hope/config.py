@@ -93,6 +93,10 @@ class TrainConfig:
     # Rows per forward/backward (gradient accumulation; the step's gradient is the
     # whole batch's); None = the whole batch at once.
     micro_batch_size: int | None = None
+    # Data parallelism (DDP through torchrun, hope.train.distributed): processes per
+    # node and nodes; the global batch (train.batch_size) is split over all of them.
+    nproc_per_node: int = 1
+    nnodes: int = 1
     seed: int = 0
     # The numerics of a run (train and eval; hope.train.device.configure_numerics).
     # Every one of them changes the numbers, so none is left to the machine:
@@ -416,6 +420,8 @@ def _validate(cfg: Config) -> None:
         (0.0 <= d.val_fraction < 1.0, "data.val_fraction must be in [0, 1)"),
         (d.seq_len > 0, "data.seq_len must be positive"),
         (cfg.train.batch_size > 0, "train.batch_size must be positive"),
+        (cfg.train.nproc_per_node >= 1, "train.nproc_per_node must be >= 1"),
+        (cfg.train.nnodes >= 1, "train.nnodes must be >= 1"),
         (
             cfg.train.micro_batch_size is None
             or 1 <= cfg.train.micro_batch_size <= cfg.train.batch_size,

@@ -29,7 +29,11 @@ FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 
 # Knobs that change how a run is observed, not what it computes: changing them
 # must not throw away a resumable checkpoint.
-OBSERVATION_KNOBS = ("log_every", "checkpoint_every", "wandb_mode", "wandb_project")
+# Knobs that do not change what is trained (a resume may change them; the world size
+# and micro-batch size change only the order of floating-point sums).
+OBSERVATION_KNOBS = (
+    "log_every", "checkpoint_every", "wandb_mode", "wandb_project", "nproc_per_node", "nnodes",
+)  # fmt: skip
 
 
 def config_fingerprint(cfg: Config) -> str:

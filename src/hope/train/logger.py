@@ -78,3 +78,16 @@ class TrainLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+class SilentLogger:
+    """The logger of a non-zero rank: rank 0 alone writes logs, bars and wandb runs."""
+
+    def advance(self) -> None:
+        pass
+
+    def log(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from hope.config import Config, save_config
 from hope.data.batches import eval_batches, random_batch
@@ -28,8 +29,9 @@ from hope.model.lm import LanguageModel
 from hope.model.registry import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
+from hope.train import distributed as dist_env
 from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime
-from hope.train.logger import TrainLogger, write_tsv
+from hope.train.logger import SilentLogger, TrainLogger, write_tsv
 from hope.train.schedule import build_scheduler
 
 log = logging.getLogger("hope.train")
@@ -63,6 +65,7 @@ def train_step(
     amp_dtype: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     micro_batch: int | None = None,
+    ddp: DistributedDataParallel | None = None,
 ) -> torch.Tensor:
     """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device.
 
@@ -70,16 +73,23 @@ def train_step(
     either must be a mean over rows of equal weight. ``micro_batch``: gradient
     accumulation over row slices of that size, each weighted by its share of the rows,
     so the gradient is the whole batch's (fast state is per sample: the slices are
-    independent) and only one slice's activations are alive at a time.
+    independent) and only one slice's activations are alive at a time. ``ddp``: the
+    DistributedDataParallel wrapper of the loss (``hope.train.distributed``); gradients
+    are averaged over ranks once, at the last slice.
     """
     optimizer.zero_grad(set_to_none=True)
     rows = x.shape[0]
     total: torch.Tensor | None = None
-    for part in micro_slices(rows, micro_batch):
-        with autocast(x.device, amp_dtype):
-            loss = (loss_fn or model.training_loss)(x[part], y[part])
-        weight = (part.stop - part.start) / rows
-        (loss * weight if weight != 1.0 else loss).backward()
+    parts = micro_slices(rows, micro_batch)
+    compute = ddp if ddp is not None else (loss_fn or model.training_loss)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        no_sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
+        with no_sync:
+            with autocast(x.device, amp_dtype):
+                loss = compute(x[part], y[part])
+            weight = (part.stop - part.start) / rows
+            (loss * weight if weight != 1.0 else loss).backward()
         share = loss.detach() * weight
         total = share if total is None else total + share
     assert total is not None
@@ -127,10 +137,13 @@ class Trainer:
     ) -> None:
         self.cfg, self.ckpt_dir, self.report_dir = cfg, Path(ckpt_dir), Path(report_dir)
         self.train_tokens = train_tokens
-        self.device = resolve_device(cfg.train.device)
+        self.env = dist_env.from_environment()
+        dist_env.check_world(cfg, self.env)
+        self.device = dist_env.device_for(self.env, resolve_device(cfg.train.device))
         setup_runtime(cfg.train, self.device)
         self.amp_dtype = autocast_dtype(self.device, cfg.train.precision)
         self.model = build_model(cfg.model).to(self.device)
+        self.ddp = dist_env.wrap(self.model, self.env, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.fingerprint = ckpt.config_fingerprint(cfg)
@@ -160,8 +173,9 @@ class Trainer:
                 payload.get("fingerprint"),
                 self.fingerprint,
             )
-            for path in ckpt.list_checkpoints(self.ckpt_dir):
-                path.unlink()
+            if self.env.is_main:
+                for path in ckpt.list_checkpoints(self.ckpt_dir):
+                    path.unlink()
             return
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
@@ -176,6 +190,8 @@ class Trainer:
         log.info("resuming from step %d (%s)", self.step, latest.name)
 
     def save(self) -> None:
+        if not self.env.is_main:  # every rank holds the same model and optimizer
+            return
         payload = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -196,12 +212,17 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.ckpt_dir / "config.yaml")
+        if self.env.is_main:
+            save_config(self.cfg, self.ckpt_dir / "config.yaml")
         self.restore_or_reset()
         if self.final_metrics is not None and self.step >= self.cfg.train.steps:
             log.info("all %d steps already done; rewriting reports", self.step)
             return self.write_reports(self.final_metrics)
-        logger = TrainLogger(self.cfg, self.report_dir, self.rows, self.step)
+        logger = (
+            TrainLogger(self.cfg, self.report_dir, self.rows, self.step)
+            if self.env.is_main
+            else SilentLogger()
+        )
         try:
             self.loop(logger)
         finally:
@@ -212,7 +233,7 @@ class Trainer:
             self.save()
         return self.write_reports(self.final_metrics)
 
-    def loop(self, logger: TrainLogger) -> None:
+    def loop(self, logger: TrainLogger | SilentLogger) -> None:
         cfg = self.cfg.train
         tokens_per_step = cfg.batch_size * self.cfg.data.seq_len
         stop_after = int(os.environ.get(STOP_AFTER_STEP_ENV, "0"))
@@ -223,10 +244,13 @@ class Trainer:
                 self.train_tokens, cfg.batch_size, self.cfg.data.seq_len, cfg.seed, self.step
             )
             lr = float(self.optimizer.param_groups[0]["lr"])  # a Python float: no sync
+            rows = self.env.rows(cfg.batch_size)  # this rank's rows of the global batch
             loss = train_step(
                 self.model, self.optimizer, self.scheduler,
-                x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True),
-                self.cfg.optim.grad_clip, self.amp_dtype, micro_batch=cfg.micro_batch_size,
+                x[rows].to(self.device, non_blocking=True),
+                y[rows].to(self.device, non_blocking=True),
+                self.cfg.optim.grad_clip, self.amp_dtype,
+                micro_batch=cfg.micro_batch_size, ddp=self.ddp,
             )  # fmt: skip
             self.interval_loss += loss.float()
             self.interval_steps += 1
@@ -255,18 +279,12 @@ class Trainer:
         """The only host syncs of the run: interval mean loss and validation loss."""
         train_loss = None
         if is_log:
-            train_loss = (self.interval_loss / max(1, self.interval_steps)).item()
+            mean = self.interval_loss / max(1, self.interval_steps)  # this rank's rows
+            world = self.env.world_size
+            train_loss = (dist_env.all_reduce_sum(mean.clone(), self.env) / world).item()
             self.interval_loss.zero_()
             self.interval_steps = 0
-        val_loss = None
-        if is_val:
-            val_loss = evaluate_loss(
-                self.model,
-                self.val_batches,
-                self.device,
-                self.amp_dtype,
-                self.cfg.train.micro_batch_size,
-            ).item()
+        val_loss = self.validation_loss().item() if is_val else None
         seconds = max(time.perf_counter() - interval_start, 1e-9)
         return {
             "step": self.step,
@@ -276,6 +294,32 @@ class Trainer:
             "tokens": self.tokens_seen,
             "tokens_per_s": interval_tokens / seconds,
         }
+
+    def validation_loss(self) -> torch.Tensor:
+        """Mean CE per target token over the validation batches; with several ranks each
+        scores its share of every batch's rows and the sums are reduced."""
+        if not self.env.enabled:
+            return evaluate_loss(
+                self.model,
+                self.val_batches,
+                self.device,
+                self.amp_dtype,
+                self.cfg.train.micro_batch_size,
+            )
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (sum, tokens)
+        for x, y in self.val_batches:
+            share = micro_slices(x.shape[0], -(-x.shape[0] // self.env.world_size))
+            if self.env.rank >= len(share):
+                continue
+            part = share[self.env.rank]
+            mean = evaluate_loss(
+                self.model, [(x[part], y[part])], self.device, self.amp_dtype,
+                self.cfg.train.micro_batch_size,
+            )  # fmt: skip
+            total[0] += mean * y[part].numel()
+            total[1] += y[part].numel()
+        total = dist_env.all_reduce_sum(total, self.env)
+        return total[0] / total[1]
 
     def metrics(self, last_row: dict[str, Any]) -> dict[str, Any]:
         val_loss = float(last_row["val_loss"])
@@ -292,8 +336,9 @@ class Trainer:
         }
 
     def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        write_tsv(self.report_dir, self.rows)
-        atomic_write_json(self.report_dir / "train.json", metrics)
+        if self.env.is_main:
+            write_tsv(self.report_dir, self.rows)
+            atomic_write_json(self.report_dir / "train.json", metrics)
         return metrics
 
 
@@ -304,8 +349,12 @@ def run_training(
     ckpt_dir: Path,
     report_dir: Path,
 ) -> dict[str, Any]:
-    """Train on in-memory token streams; returns the final metrics (also in train.json)."""
-    return Trainer(cfg, train_tokens, val_tokens, ckpt_dir, report_dir).run()
+    """Train on in-memory token streams; returns the final metrics (also in train.json).
+    Under torchrun (``WORLD_SIZE`` > 1) every rank calls this and they train as one."""
+    env = dist_env.from_environment()
+    device = dist_env.device_for(env, resolve_device(cfg.train.device))
+    with dist_env.process_group(env, device):
+        return Trainer(cfg, train_tokens, val_tokens, ckpt_dir, report_dir).run()
 
 
 def train(

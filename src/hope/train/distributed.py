@@ -1,0 +1,147 @@
+"""Data parallelism on torch.distributed (DDP), started by torchrun.
+
+Exact by construction: every memory's fast state is per sample, so a rank that trains
+on its slice of the global batch computes exactly the gradients of those rows, and
+DDP's averaged gradient is the whole batch's (equal rows per rank). The global batch
+at step s is the same token rows whatever the world size or micro-batch size
+(batches are a pure function of ``(train.seed, step)``; each rank takes its rows).
+
+``python stages/train.py`` with ``train.nproc_per_node > 1`` re-launches itself through
+``torch.distributed.run`` (``relaunch_command``); under an existing torchrun (or
+SLURM + torchrun) environment — ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` — it joins
+the process group instead. Rank 0 alone writes checkpoints and reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hope.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def rows(self, batch_size: int) -> slice:
+        """This rank's rows of a global batch (``check_world`` made them equal)."""
+        per_rank = batch_size // self.world_size
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+def from_environment() -> DistEnv:
+    """The torchrun environment, or a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistEnv()
+    return DistEnv(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_world(cfg: Config, env: DistEnv) -> None:
+    """Refuse what data parallelism cannot keep exact, naming the knob."""
+    if not env.enabled:
+        return
+    batch = cfg.train.batch_size
+    if batch % env.world_size:
+        raise ConfigError(
+            f"train.batch_size={batch} must be a multiple of the world size {env.world_size} "
+            "(every rank trains the same number of rows of the global batch)"
+        )
+    micro = cfg.train.micro_batch_size
+    if micro is not None and micro > batch // env.world_size:
+        raise ConfigError(
+            f"train.micro_batch_size={micro} exceeds the {batch // env.world_size} rows per "
+            f"rank (train.batch_size={batch} over {env.world_size} processes)"
+        )
+
+
+def relaunch_command(cfg: Config, argv: Sequence[str]) -> list[str] | None:
+    """The torchrun command that runs this stage on ``train.nproc_per_node`` processes
+    (per node, ``train.nnodes`` nodes), or None when it should run in this process."""
+    nproc, nnodes = cfg.train.nproc_per_node, cfg.train.nnodes
+    if (nproc == 1 and nnodes == 1) or "WORLD_SIZE" in os.environ:
+        return None
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    if nnodes == 1:
+        command.append("--standalone")
+    else:  # rendezvous from the scheduler's environment (configs/slurm sets these)
+        endpoint = os.environ.get("HOPE_RDZV_ENDPOINT")
+        if not endpoint:
+            raise ConfigError(
+                f"train.nnodes={nnodes} needs HOPE_RDZV_ENDPOINT=host:port (the rendezvous "
+                "of torch.distributed.run; configs/slurm sets it from the first node)"
+            )
+        command += [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}"]
+    return [*command, *argv]
+
+
+def device_for(env: DistEnv, device: torch.device) -> torch.device:
+    """On CUDA each rank takes its local GPU."""
+    if env.enabled and device.type == "cuda":
+        return torch.device("cuda", env.local_rank)
+    return device
+
+
+@contextlib.contextmanager
+def process_group(env: DistEnv, device: torch.device) -> Iterator[None]:
+    """Join the process group for the duration of a run (NCCL on GPU, gloo on CPU)."""
+    if not env.enabled or dist.is_initialized():
+        yield
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class TrainingLoss(nn.Module):
+    """``model.training_loss`` as a module's forward: what DDP wraps, so its reducer
+    sees every forward (DDP hooks only ``forward``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.training_loss(tokens, targets)  # type: ignore[operator]
+
+
+def wrap(model: nn.Module, env: DistEnv, device: torch.device) -> DistributedDataParallel | None:
+    """DDP over ``TrainingLoss(model)``, or None for a single process."""
+    if not env.enabled:
+        return None
+    ids = [device.index] if device.type == "cuda" else None
+    # Some configurations leave parameters out of a step's graph (a write whose chunk
+    # ends with the sequence, write_grad=stopgrad, a static CMS in training): DDP must
+    # look for them, or its reducer waits for gradients that never come.
+    return DistributedDataParallel(TrainingLoss(model), device_ids=ids, find_unused_parameters=True)
+
+
+def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum over ranks (a log-step collective; identity for one process)."""
+    if env.enabled:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value

@@ -1,0 +1,99 @@
+"""Data parallelism (hope.train.distributed): two gloo processes under torchrun train
+exactly what one process trains (fast state is per sample), and the knobs that cannot
+be kept exact are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hope
+from hope.config import ConfigError
+from hope.train import distributed as d
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_train_loop import run
+from pathlib import Path
+metrics = run(Path({out!r}), *{extra!r})
+if {rank_file!r}:
+    import os
+    Path({out!r}, "rank" + os.environ.get("RANK", "0")).write_text(json.dumps(metrics))
+"""
+
+
+def _run_worker(out: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    script = out / "worker.py"
+    out.mkdir(parents=True, exist_ok=True)
+    script.write_text(WORKER.format(tests=str(ROOT / "tests"), out=str(out), extra=extra,
+                                    rank_file=True))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, str(script)]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", str(script)]  # fmt: skip
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("train.micro_batch_size=1",)])
+def test_two_processes_train_what_one_process_trains(
+    tmp_path: Path, extra: tuple[str, ...]
+) -> None:
+    """hope on 2 ranks x 2 rows (and micro-batches of 1 row) vs 1 process x 4 rows:
+    the same train and validation losses at every logged step, within fp32
+    summation-order noise; rank 0 alone writes reports and checkpoints."""
+    one = _run_worker(tmp_path / "one", 1, *extra)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run_worker(tmp_path / "two", 2, *extra)
+    assert two.returncode == 0, two.stderr[-3000:]
+    single = json.loads((tmp_path / "one/reports/train.json").read_text())
+    parallel = json.loads((tmp_path / "two/reports/train.json").read_text())
+    for key in ("train_loss", "val_loss"):
+        assert parallel[key] == pytest.approx(single[key], rel=1e-5), key
+    assert parallel["tokens_seen"] == single["tokens_seen"]
+    rows_one = (tmp_path / "one/reports/train_log.tsv").read_text().splitlines()
+    rows_two = (tmp_path / "two/reports/train_log.tsv").read_text().splitlines()
+    assert len(rows_one) == len(rows_two) > 3
+    rank1 = json.loads((tmp_path / "two/rank1").read_text())
+    assert rank1["val_loss"] == parallel["val_loss"]  # every rank ends with the reduced metrics
+
+
+def test_rows_split_the_global_batch_evenly() -> None:
+    env = d.DistEnv(rank=1, world_size=4, local_rank=1)
+    assert env.rows(8) == slice(2, 4) and not env.is_main and env.enabled
+    assert d.DistEnv().rows(8) == slice(0, 8)
+
+
+def test_uneven_batches_and_micro_batches_are_refused() -> None:
+    env = d.DistEnv(0, 3, 0)
+    with pytest.raises(ConfigError, match="train.batch_size=8 must be a multiple"):
+        d.check_world(hope.load_config(None, ["train.batch_size=8"]), env)
+    cfg = hope.load_config(None, ["train.batch_size=6", "train.micro_batch_size=3"])
+    with pytest.raises(ConfigError, match="train.micro_batch_size=3 exceeds the 2 rows"):
+        d.check_world(cfg, env)
+
+
+def test_the_stage_relaunches_itself_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = hope.load_config(None, ["train.nproc_per_node=2"])
+    command = d.relaunch_command(cfg, ["stages/train.py", "--set", "train.nproc_per_node=2"])
+    assert command is not None
+    assert command[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    assert command[-3:] == ["stages/train.py", "--set", "train.nproc_per_node=2"]
+    assert d.relaunch_command(hope.load_config(None, []), ["x"]) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # already under torchrun: join, do not relaunch
+    assert d.relaunch_command(cfg, ["x"]) is None
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("HOPE_RDZV_ENDPOINT", raising=False)
+    with pytest.raises(ConfigError, match="HOPE_RDZV_ENDPOINT"):
+        d.relaunch_command(hope.load_config(None, ["train.nnodes=2"]), ["x"])
