@@ -223,7 +223,11 @@ def test_changed_config_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFi
 
 def test_bf16_autocast_step_stays_close_to_fp32() -> None:
     cfg = tiny_cfg()
-    x, y = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    gen = torch.Generator().manual_seed(0)  # fixed data: not whatever ran before
+    x, y = (
+        torch.randint(0, VOCAB, (2, 16), generator=gen),
+        torch.randint(0, VOCAB, (2, 16), generator=gen),
+    )
     losses = {}
     for dtype in (None, torch.bfloat16):
         torch.manual_seed(0)
@@ -235,7 +239,8 @@ def test_bf16_autocast_step_stays_close_to_fp32() -> None:
     assert losses[None].dtype == losses[torch.bfloat16].dtype == torch.float32
     # Autocast really ran (results differ) yet stays close to fp32.
     assert losses[None] != losses[torch.bfloat16]
-    assert abs(losses[None] - losses[torch.bfloat16]) < 5e-3
+    # bf16 rounds at 2^-8 relative; the untrained default shell's loss is ~9 nats
+    assert abs(losses[None] - losses[torch.bfloat16]) < 1e-3 * losses[None]
 
 
 def test_device_and_precision_resolution() -> None:
