@@ -144,3 +144,25 @@ def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
     for key in ("train_loss", "val_loss", "steps", "tokens_seen", "params", "runtime"):
         assert ours[key] == theirs[key], key
     run([sys.executable, "stages/release.py", "--verify", "release"], repo)
+
+
+def test_readme_data_parallel_command_trains_on_two_ranks(dvc_repo: Path, tmp_path: Path) -> None:
+    """The README's scale-out command on the pipeline's own shards: the stage re-runs
+    itself under torchrun (2 gloo ranks, micro-batches of 4 of each rank's 4 rows) and
+    rank 0 alone writes the reports and the checkpoint."""
+    work = tmp_path / "ddp"
+    for rel in ("stages", "configs", "data/shards", "data/tokenizer"):
+        shutil.copytree(dvc_repo / rel, work / rel)
+    shutil.copy(dvc_repo / "params.yaml", work / "params.yaml")
+    set_params(work, {("train", "steps"): 4, ("train", "val_batches"): 2})
+    proc = run(
+        [sys.executable, "stages/train.py", "--set", "train.nproc_per_node=2",
+         "--set", "train.micro_batch_size=4"],
+        work,
+    )  # fmt: skip
+    metrics = _json(work / "reports/train.json")
+    assert metrics["steps"] == 4 and math.isfinite(metrics["val_loss"])
+    resolved = yaml.safe_load((work / "models/checkpoints/config.yaml").read_text())
+    assert metrics["tokens_seen"] == 4 * 8 * resolved["data"]["seq_len"]  # the global batch
+    assert proc.stdout.count("train: 4 steps") == 1  # one summary line: rank 0's
+    assert [p.name for p in (work / "models/checkpoints").glob("step_*.pt")] == ["step_0000004.pt"]
