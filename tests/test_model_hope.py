@@ -297,6 +297,13 @@ def test_teach_pass_in_c1_calls_is_exact_online(variant: str, rule: str) -> None
     oracle = tiny_model(variant, "exact_online", *RULE_KNOBS[rule])
     level = cast(CMSLevel, model.hope_blocks()[0].cms.levels[0])
     assert type(level.rule).__name__.lower() == rule.replace("_", "") + "rule"
+    state = assert_c1_calls_equal_the_oracle(model, oracle)
+    assert max(leaf.abs().max() for leaf in tensor_leaves(state.blocks[1].cms)) > 1e-3
+
+
+def assert_c1_calls_equal_the_oracle(model: HopeLM, oracle: HopeLM) -> LMState:
+    """``model`` (teach_pass) in C1-token calls vs one ``exact_online`` call of
+    ``oracle`` (given the same weights): logits and every state; the chained state."""
     oracle.load_state_dict(model.state_dict())
     x, y = data()
     logits_o, state_o = oracle.forward_teach(x, y)
@@ -307,7 +314,7 @@ def test_teach_pass_in_c1_calls_is_exact_online(variant: str, rule: str) -> None
         pieces.append(logits)
     torch.testing.assert_close(torch.cat(pieces, dim=1), logits_o, rtol=1e-13, atol=1e-12)
     assert_states_equal(state, state_o)
-    assert max(leaf.abs().max() for leaf in tensor_leaves(state.blocks[1].cms)) > 1e-3
+    return state
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -598,18 +605,11 @@ def test_independent_cms_levels_share_one_teach_signal_and_c1_calls_are_the_orac
     layer every level's δ is the same tensor's gradient; chained C1 calls equal
     exact_online as for the chain."""
     model = tiny_model(variant, "teach_pass", "model.cms_layout=independent")
-    oracle = tiny_model(variant, "exact_online", "model.cms_layout=independent")
-    oracle.load_state_dict(model.state_dict())
     x, y = data()
     signal = teach_signal(model, x, y, model.init_state(2))
     for layer in signal.deltas:
         torch.testing.assert_close(layer[0], layer[1], rtol=0, atol=0)
         assert layer[0].abs().max() > 1e-6
-    logits_o, state_o = oracle.forward_teach(x, y)
-    state, pieces = model.init_state(2), []
-    for start in range(0, T, C1):
-        piece = slice(start, start + C1)
-        logits, state = model.forward_teach(x[:, piece], y[:, piece], state)
-        pieces.append(logits)
-    torch.testing.assert_close(torch.cat(pieces, dim=1), logits_o, rtol=1e-13, atol=1e-12)
-    assert_states_equal(state, state_o)
+    assert_c1_calls_equal_the_oracle(
+        model, tiny_model(variant, "exact_online", "model.cms_layout=independent")
+    )
