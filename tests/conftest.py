@@ -44,6 +44,7 @@ CI_RUN = {
     ("bench", "warmup"): 1,
     ("bench", "steps"): 2,
     ("bench", "num_threads"): 1,
+    ("bench", "project_presets"): ["pilot"],
     ("recall", "variants"): ["transformer", "hope"],
     ("recall", "steps"): 4,
     ("recall", "batch_size"): 4,

@@ -59,6 +59,7 @@ SMALL_RUN = {
     # and two for the tokenizer rules, so --cpus-per-task is seen to follow params.
     ("train", "num_threads"): 1,
     ("bench", "num_threads"): 1,
+    ("bench", "project_presets"): [],
     ("tokenizer", "num_threads"): 2,
     ("recall", "variants"): ["transformer"],
     ("recall", "steps"): 2,

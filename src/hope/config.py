@@ -157,10 +157,10 @@ class BenchConfig:
     num_threads: int = 2  # torch intra-op threads while measuring (as train.num_threads)
     memory_backend: Literal["torch", "compile", "fla"] = "torch"  # as train.memory_backend
     # Presets whose GPU step time is projected from counted launches and FLOPs
-    # (hope.bench.projection); each variant costs four launch counts at its chunking,
-    # seconds for pilot, minutes for mid/target (their slowest CMS period is 1024).
+    # (hope.bench.projection); each variant costs four launch counts at its chunking:
+    # seconds for pilot, up to a minute for hope at mid/target (CMS period 1024).
     project_presets: list[Literal["pilot", "mid", "target"]] = field(
-        default_factory=lambda: ["pilot"]
+        default_factory=lambda: ["pilot", "mid", "target"]
     )
 
 
