@@ -6,7 +6,8 @@
 #   1. the CUDA sync-debug test (a training step of four variants under
 #      torch.cuda.set_sync_debug_mode("error"): no host syncs),
 #   2. compile parity (the torch.compile'd memory chunk steps equal eager ones;
-#      memory_backend=compile tests),
+#      memory_backend=compile tests) and FLA parity where flash-linear-attention
+#      is installed,
 #   3. the bench of every variant at the pilot_chunks shape (launches per step) and
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
 #      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches,
@@ -65,6 +66,13 @@ cp reports/bench.json "$kept" 2>/dev/null || true
 part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
 part compile_parity 180 python -m pytest -q -p no:cacheprovider \
   tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
+# FLA parity needs the fla package, which the project does not depend on (and the GPU
+# machine may have no network to fetch it): run it where it imports, say so where not.
+if python -c 'import fla' 2>/dev/null; then
+  part fla_parity 180 python -m pytest -q -p no:cacheprovider -rs tests/test_memory_fla.py
+else
+  note "fla_parity: skipped (flash-linear-attention is not installed here)"
+fi
 
 bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.json
   local name=$1
