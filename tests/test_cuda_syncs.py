@@ -1,4 +1,5 @@
-"""On CUDA, one full training step runs under sync-debug mode "error" (no host syncs).
+"""On CUDA, one full training step runs under sync-debug mode "error" (no host syncs),
+and the bench's kernel counter counts a toy's eager and compiled kernels.
 
 The CPU twin of this check is the counting test in tests/test_train_loop.py,
 tests/test_model_hope.py and tests/test_model_titans.py; this one needs a GPU.
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import hope
+from hope.bench.measure import CudaKernelCounter
 from hope.optim.outer import build_optimizer
 from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler
@@ -35,3 +37,22 @@ def test_training_step_is_sync_free_on_cuda(variant: str) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()
+
+
+def test_cuda_kernel_counter_sees_eager_and_compiled_kernels() -> None:
+    """A toy with a known count: three pointwise ops are three eager kernels and one
+    fused kernel once compiled (scripts/gpu_check.sh runs this file)."""
+    x = torch.randn(1024, device="cuda")
+
+    def toy(t: torch.Tensor) -> torch.Tensor:
+        return ((t + 1.0) * 2.0).exp()
+
+    compiled = torch.compile(toy)
+    compiled(x)  # compile outside the count
+    torch.cuda.synchronize()
+    counts = {}
+    for name, fn in (("eager", toy), ("compiled", compiled)):
+        with CudaKernelCounter() as counter:
+            fn(x)
+        counts[name] = counter.count
+    assert counts == {"eager": 3, "compiled": 1}

@@ -15,8 +15,11 @@
   allocations (``empty*``) do not count.
   In eager mode each counted op is one host-side launch (a foreach op is one
   launch over a list of tensors); it is the host cost a GPU step pays per call.
-  Code inside ``torch.compile`` regions is not counted (launches_per_step is only
-  reported for the eager memory backend).
+  Code inside ``torch.compile`` regions is not dispatched op by op, so on a CPU the
+  compiled backend reports no count. On CUDA every backend is counted the same
+  direct way instead (``CudaKernelCounter``): the kernels the profiler sees on the
+  device during the step (generated Triton kernels, cuBLAS/cuDNN extern calls and
+  eager kernels alike; memcpy/memset are not kernels).
 """
 
 from __future__ import annotations
@@ -104,6 +107,32 @@ class LaunchCounter(TorchDispatchMode):
         if launches_kernel(func):
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class CudaKernelCounter:
+    """Counts the CUDA kernels launched while active (``count``), from the profiler's
+    device-side events: what a compiled region really launches, per call."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._profile: Any = None
+
+    def __enter__(self) -> CudaKernelCounter:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CUDA])
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()
+        self._profile.__exit__(*exc)
+        self.count = sum(
+            1
+            for event in self._profile.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA
+            and not event.name.lower().startswith(("memcpy", "memset"))
+        )
 
 
 def synchronize(device: torch.device) -> None:

@@ -179,7 +179,7 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
     shape = bench_shape(cfg, shape_name)
     model_cfg = dataclasses.replace(shape.model, variant=variant)  # type: ignore[arg-type]
     assert model_cfg.vocab_size is not None
-    total = bench.warmup + bench.steps + 1  # + the sync-counting step
+    total = bench.warmup + bench.steps + 2  # + the launch- and sync-counting steps
     batches = _batches(
         model_cfg.vocab_size, shape.batch_size, shape.seq_len, total, bench.seed, device
     )
@@ -197,9 +197,16 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
         return train_step(model, optimizer, scheduler, x, y, optim_cfg.grad_clip, amp_dtype)
 
     seconds = m.time_steps(step, bench.warmup, bench.steps, device)
-    # Inside torch.compile regions ops are not dispatched one by one: eager only.
-    launches = None if bench.memory_backend == "compile" else m.LaunchCounter()
-    with m.count_host_syncs() as calls, launches or contextlib.nullcontext():
+    # On CUDA the profiler counts the kernels of every backend; on a CPU the dispatch
+    # counter sees eager ops only (compiled regions are not dispatched op by op).
+    launches: m.LaunchCounter | m.CudaKernelCounter | None = m.LaunchCounter()
+    if device.type == "cuda":
+        launches = m.CudaKernelCounter()
+    elif bench.memory_backend == "compile":
+        launches = None
+    with launches or contextlib.nullcontext():
+        step(total - 2)  # launches of one step, apart from the sync count (profiler syncs)
+    with m.count_host_syncs() as calls:
         loss = step(total - 1)
     syncs = len(calls)
     m.synchronize(device)
