@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hope import build_model
-from hope.config import ConfigError, OptimConfig
+from hope.config import ConfigError, OptimConfig, load_config
 from hope.model.config import ModelConfig
 from hope.model.layers import RMSNorm
 from hope.optim.groups import HybridOptimizer, partition_params
@@ -427,3 +427,11 @@ def test_partition_of_the_memory_models(variant: str) -> None:
         assert "blocks.0.attn.persistent" in other
         assert "blocks.0.memory.init.w2" in matrix
     assert len(matrix) + len(other) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_m3_without_the_final_norm_is_refused() -> None:
+    """M3 diverges without the final norm (tiny preset: val loss 65): refused, naming
+    both knobs; with the final norm it is accepted."""
+    with pytest.raises(ConfigError, match=r"optim.name=m3 needs model.final_norm=true"):
+        load_config(None, ["optim.name=m3"])
+    assert load_config(None, ["optim.name=m3", "model.final_norm=true"]).optim.name == "m3"

@@ -414,6 +414,13 @@ def _validate(cfg: Config) -> None:
         ),
         (m.titans_depth >= 1, f"model.titans_depth={m.titans_depth} must be >= 1"),
         (
+            cfg.optim.name != "m3" or m.final_norm,
+            "optim.name=m3 needs model.final_norm=true: M3's step scales like 1/|g| and "
+            "without the final norm it diverges (tiny transformer: val loss 65 vs 5.8; "
+            "docs/FAITHFULNESS.md 'LM shell'); set model.final_norm=true "
+            "(and model.embed_init_std=null for the classic shell)",
+        ),
+        (
             m.embed_init_std is None or m.embed_init_std > 0,
             f"model.embed_init_std={m.embed_init_std} must be > 0 (or null: model.init_std)",
         ),
