@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hope.cli import StageError, run_stage
+from hope.cli import run_stage
 from hope.config import Config
+from hope.errors import StageError
 
 CKPT_DIR = Path("models/checkpoints")
 TOKENIZER_DIR = Path("data/tokenizer")

@@ -14,8 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hope.cli import StageError, run_stage
+from hope.cli import run_stage
 from hope.config import Config
+from hope.errors import StageError
 
 SHARD_DIR = Path("data/shards")
 TOKENIZER_MODEL = Path("data/tokenizer/spm.model")

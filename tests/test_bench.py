@@ -19,7 +19,8 @@ from conftest import CLASSIC_SHELL
 from hope.bench import flops
 from hope.bench import run as bench_run
 from hope.bench.measure import LaunchCounter, count_host_syncs
-from hope.config import Config, ConfigError, load_config
+from hope.config import Config, load_config
+from hope.errors import ConfigError
 from hope.memory.ops import dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +192,8 @@ def test_pilot_chunks_shape_is_the_pilot_chunking_in_one_small_layer() -> None:
     pilot = load_config(PARAMS, ["preset=pilot"]).model
     shape = bench_run.bench_shape(cfg, "pilot_chunks")
     assert (shape.seq_len, shape.batch_size, shape.model.n_layers) == (1024, 1, 1)
-    for key in ("cms_periods", "smt_chunk", "smt_mem_chunk", "smt_expansion", "titans_chunk"):
+    for key in ("cms_periods", "smt_chunk", "smt_mem_chunk", "smt_expansion", "titans_chunk",
+                "titans_expansion"):  # fmt: skip
         assert getattr(shape.model, key) == getattr(pilot, key), key
     assert shape.model.dim // shape.model.n_heads == pilot.dim // pilot.n_heads
     for variant in cfg.bench.variants:
@@ -204,7 +206,7 @@ def test_pilot_shape_is_the_pilot_preset_in_two_layers_at_its_context() -> None:
     shape = bench_run.bench_shape(cfg, "pilot")
     assert (shape.seq_len, shape.model.n_layers) == (pilot.data.seq_len, 2)
     for key in ("dim", "n_heads", "vocab_size", "cms_periods", "smt_chunk", "smt_mem_chunk",
-                "smt_expansion", "titans_chunk", "titans_window"):  # fmt: skip
+                "smt_expansion", "titans_chunk", "titans_expansion", "titans_window"):  # fmt: skip
         assert getattr(shape.model, key) == getattr(pilot.model, key), key
 
 

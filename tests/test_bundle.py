@@ -13,8 +13,9 @@ from safetensors import safe_open
 from torch import nn
 
 import hope
-from hope.cli import StageError, run_stage
+from hope.cli import run_stage
 from hope.config import Config, load_config
+from hope.errors import StageError
 from hope.report.bundle import (
     build_bundle,
     load_released_model,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hope
-from hope.cli import StageError
+from hope.errors import StageError
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train.schedule import build_scheduler

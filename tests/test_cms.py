@@ -10,11 +10,10 @@ import torch
 from hope.memory.cms import (
     CMS,
     CMSLevel,
-    grad_factors,
-    naive_online_chain,
-    naive_online_level,
+    chunk_grad_sums,
     split_hidden,
 )
+from hope.memory.cms_naive import naive_online_chain, naive_online_level
 from hope.memory.fast_state import restore_state
 from hope.model.config import ModelConfig
 from hope.optim.inner import (
@@ -55,7 +54,7 @@ RULES = {
 def test_grad_factors_equal_autograd_of_dot_objective() -> None:
     level = make_level()
     a, teach = rand(2, 4, DIM), rand(2, 4, DIM, seed=2)
-    g_in, g_out, _ = grad_factors(a, teach, level.w_in, level.w_out)
+    g_in, g_out, _ = chunk_grad_sums(a, teach, level.w_in, level.w_out)
     per_sample = []
     for b in range(2):  # Σ_t ⟨MLP(a_t), δ_t⟩ per sample, plain autograd
         objective = (level(a[b : b + 1]) * teach[b : b + 1]).sum()
@@ -234,9 +233,9 @@ def test_sign_one_update_lowers_loss_on_same_tokens(rule: str) -> None:
 def test_chain_config() -> None:
     cfg = ModelConfig(dim=8, mlp_ratio=4.0, cms_periods=[2, 4, 7])
     with pytest.raises(ValueError, match="cms_periods"):
-        CMS.from_config(cfg)
+        CMS.from_config(cfg.cms_config())
     cfg.cms_periods = [2, 4, 8]
-    cms = CMS.from_config(cfg).to(F64)
+    cms = CMS.from_config(cfg.cms_config()).to(F64)
     assert [lvl.hidden for lvl in cms.levels] == [11, 11, 10] == split_hidden(32, 3)
     state = cms.init_state(1, dtype=F64)
     x = rand(1, 9, 8)

@@ -13,8 +13,9 @@ import torch
 
 import hope
 from conftest import tiny_lm
-from hope.config import ConfigError
-from hope.memory.cms import CMSLevel, naive_online_level
+from hope.errors import ConfigError
+from hope.memory.cms import CMSLevel
+from hope.memory.cms_naive import naive_online_level
 from hope.model.lm import LanguageModel
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule, OrthoMomentumRule
 

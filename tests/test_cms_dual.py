@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from hope.memory.cms import CMSLevel, LevelState
+from hope.memory.cms import CMSLevel
+from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
 

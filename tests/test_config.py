@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hope.config import Config, ConfigError, all_keys, available_presets, load_config
+from hope.config import Config, all_keys, available_presets, load_config
+from hope.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from hope.cli import StageError
 from hope.data.batches import eval_batches, num_eval_windows, random_batch
 from hope.data.shards import ShardedTokens
+from hope.errors import StageError
 
 
 def counting_tokens(sizes: list[int]) -> ShardedTokens:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hope.cli import StageError
 from hope.config import Config, load_config
 from hope.data.download import is_val_document, iter_jsonl_texts, run_download
 from hope.data.sources import (
@@ -21,6 +20,7 @@ from hope.data.sources import (
     module_docstrings,
     stdlib_sources,
 )
+from hope.errors import StageError
 from hope.io import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]

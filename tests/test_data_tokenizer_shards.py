@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hope.cli import StageError
 from hope.config import Config, TokenizerConfig
 from hope.data.download import iter_jsonl_texts, run_download
 from hope.data.shards import ShardedTokens, load_split, token_dtype, write_shards
 from hope.data.tokenizer import SPECIAL_IDS, load_tokenizer, measure_coverage, train_tokenizer
+from hope.errors import StageError
 from hope.io import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]

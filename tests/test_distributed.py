@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import hope
-from hope.config import ConfigError
+from hope.errors import ConfigError
 from hope.train import distributed as d
 
 ROOT = Path(__file__).resolve().parents[1]

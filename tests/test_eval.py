@@ -18,7 +18,8 @@ from torch import nn
 
 from conftest import CLASSIC_SHELL
 from hope.cli import run_stage
-from hope.config import ConfigError, load_config
+from hope.config import load_config
+from hope.errors import ConfigError
 from hope.eval import passkey
 from hope.eval.perplexity import bits_per_byte, evaluate_perplexity
 from hope.eval.run import val_bytes_per_token

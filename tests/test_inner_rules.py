@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hope.config import ConfigError, load_config
+from hope.config import load_config
+from hope.errors import ConfigError
 from hope.optim.inner import (
     DeepMomentumRule,
     DeltaMomentumRule,

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import hope
 from conftest import CLASSIC_SHELL
 from hope.bench.measure import count_host_syncs
-from hope.memory.cms import CMSLevel, naive_online_chain
+from hope.memory.cms import CMSLevel
+from hope.memory.cms_naive import naive_online_chain
 from hope.memory.fast_state import detach_state, tensor_leaves
 from hope.memory.pieces import PieceGrid
 from hope.model.hope import HopeBlock, HopeLM

@@ -192,9 +192,9 @@ def test_every_outer_optimizer_builds_and_steps(name: str) -> None:
     assert all(changed)
 
 
-def test_unregistered_variant_raises_config_error() -> None:
+def test_unknown_variant_raises_config_error() -> None:
     cfg = hope.load_config(None)
     cfg.model.variant = "nope"  # type: ignore[assignment]  # bypasses validation on purpose
-    with pytest.raises(hope.ConfigError, match="model.variant 'nope' is not available"):
+    with pytest.raises(hope.ConfigError, match="model.variant 'nope' is not a variant"):
         hope.build_model(cfg.model)
     assert "transformer" in hope.VARIANTS

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hope.cli import StageError
+from hope.errors import StageError
 from hope.report.plots import make_plots, read_train_log
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hope.bench.measure import count_host_syncs
-from hope.config import Config, ConfigError, RecallConfig
+from hope.config import Config, RecallConfig
+from hope.errors import ConfigError
 from hope.eval.recall import (
     RecallBatch,
     check_recall_config,

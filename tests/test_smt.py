@@ -34,7 +34,7 @@ def _cfg(**overrides) -> ModelConfig:
 
 def _module(seed: int = 0, **overrides) -> SelfModifyingTitans:
     torch.manual_seed(seed)
-    return SelfModifyingTitans(_cfg(**overrides)).to(DT)
+    return SelfModifyingTitans(_cfg(**overrides).smt_config()).to(DT)
 
 
 def _x(batch: int = 2, seq: int = T, seed: int = 1) -> torch.Tensor:
@@ -321,7 +321,7 @@ def _norm_ratios(retention: float, eta_scale: float) -> dict[str, tuple[float, f
         smt_retention_init=retention,
         smt_eta_scale=eta_scale,
     )
-    module = SelfModifyingTitans(cfg)
+    module = SelfModifyingTitans(cfg.smt_config())
     init = module.init_state(1)
     with torch.no_grad():
         _, state = module(torch.randn(1, 2048, 16), init)
@@ -354,8 +354,8 @@ def test_retention_at_init_over_2048_tokens():
 
 def test_bad_chunk_config_names_the_key():
     with pytest.raises(ValueError, match="smt_checkpoint_chunks=-1 must be >= 0"):
-        SelfModifyingTitans(_cfg(smt_checkpoint_chunks=-1))
+        SelfModifyingTitans(_cfg(smt_checkpoint_chunks=-1).smt_config())
     with pytest.raises(
         ValueError, match="smt_mem_chunk=10 must be a multiple of model.smt_chunk=4"
     ):
-        SelfModifyingTitans(_cfg(smt_chunk=4, smt_mem_chunk=10))
+        SelfModifyingTitans(_cfg(smt_chunk=4, smt_mem_chunk=10).smt_config())

@@ -22,8 +22,8 @@ T = 19  # odd: a partial final chunk
 
 def _module(seed: int = 0, **overrides) -> NeuralMemory:
     torch.manual_seed(seed)
-    cfg = ModelConfig(**(dict(dim=8, n_heads=2, smt_expansion=2, titans_chunk=4) | overrides))
-    return NeuralMemory(cfg).to(DT)
+    cfg = ModelConfig(**(dict(dim=8, n_heads=2, titans_expansion=2, titans_chunk=4) | overrides))
+    return NeuralMemory(cfg.titans_memory_config()).to(DT)
 
 
 def _x(batch: int = 2, seq: int = T, seed: int = 1) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _param_grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"titans_chunk": 1}, {"smt_conv_window": 0}, {"titans_depth": 1}, {"titans_depth": 3}],
+    [{}, {"titans_chunk": 1}, {"titans_conv_window": 0}, {"titans_depth": 1}, {"titans_depth": 3}],
 )
 def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
     module, x = _module(**overrides), _x()

@@ -2,7 +2,8 @@
 
 from typing import Any
 
-from hope.config import Config, ConfigError, load_config
+from hope.config import Config, load_config
+from hope.errors import ConfigError
 
 __all__ = [
     "VARIANTS",
@@ -20,9 +21,9 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # Lazy so that `import hope` (config, data stages) does not pay for importing torch.
     if name in ("build_model", "VARIANTS"):
-        from hope.model import registry
+        from hope.model import zoo
 
-        return getattr(registry, name)
+        return getattr(zoo, name)
     if name in ("memorize", "memorize_sequence", "MemorizeConfig"):
         from hope.model import memorize
 

@@ -12,11 +12,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from hope.config import Config, ConfigError, load_config
-
-
-class StageError(RuntimeError):
-    """An expected failure (bad input file, no network, corrupt shard): one line, no traceback."""
+from hope.config import Config, load_config
+from hope.errors import ConfigError, StageError
 
 
 def stage_parser(description: str | None) -> argparse.ArgumentParser:

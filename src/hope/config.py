@@ -22,13 +22,10 @@ from typing import Any, Literal
 
 import yaml
 
+from hope.errors import ConfigError
 from hope.model.config import ModelConfig
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
-
-
-class ConfigError(ValueError):
-    """A bad configuration: unknown key, wrong type, unknown preset, bad value."""
 
 
 @dataclass

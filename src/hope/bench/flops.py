@@ -7,8 +7,8 @@ left out. These are estimates of the *useful* work of a step, computed from the
 config, not counts of the kernels that actually ran; MFU divides by them.
 
 Per-layer forward terms (d = dim, H = heads, T = seq_len, h = SwiGLU hidden,
-Σh_ℓ = CMS hidden sizes, e = smt_expansion, unit u = e·d²/H = the cost of one
-d_h→e·d_h matmul for every head):
+Σh_ℓ = CMS hidden sizes, e = smt_expansion (titans_expansion for Titans), unit
+u = e·d²/H = the cost of one d_h→e·d_h matmul for every head):
 
 - causal attention: 8d² (W_qkv, W_o) + 2·T·d (q·k and p·v over T/2 keys on average)
 - SwiGLU MLP: 6·d·h
@@ -38,8 +38,8 @@ backward to the level outputs only) ≈ 2× forward.
 
 from __future__ import annotations
 
+from hope.layers import swiglu_hidden
 from hope.model.config import ModelConfig
-from hope.model.layers import swiglu_hidden
 
 # Dense (non-sparse) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
 # Matched by substring of the CUDA device name, first match wins (so "H100 PCIe"
@@ -70,17 +70,17 @@ def cms_flops(cfg: ModelConfig) -> float:
     return 4 * cfg.dim * int(round(cfg.mlp_ratio * cfg.dim))
 
 
-def _unit(cfg: ModelConfig) -> float:
-    return cfg.smt_expansion * cfg.dim * cfg.dim / cfg.n_heads
+def _unit(cfg: ModelConfig, expansion: int) -> float:
+    return expansion * cfg.dim * cfg.dim / cfg.n_heads
 
 
 def smt_flops(cfg: ModelConfig) -> float:
     d = cfg.dim
-    return 2 * d * d + 2 * d * d / cfg.n_heads + 80 * _unit(cfg)
+    return 2 * d * d + 2 * d * d / cfg.n_heads + 80 * _unit(cfg, cfg.smt_expansion)
 
 
 def titans_memory_flops(cfg: ModelConfig) -> float:
-    return 8 * cfg.dim * cfg.dim + 14 * _unit(cfg)
+    return 8 * cfg.dim * cfg.dim + 14 * _unit(cfg, cfg.titans_expansion)
 
 
 def layer_forward_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
@@ -103,7 +103,7 @@ def layer_forward_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
         return memory + attention_flops(d, swa_keys) + 2 * d * d + mlp_flops(cfg), memory
     if variant == "titans_mac":
         segment = min(cfg.titans_chunk, seq_len)
-        retrieval = 2 * d * d + 4 * _unit(cfg)
+        retrieval = 2 * d * d + 4 * _unit(cfg, cfg.titans_expansion)
         attention = 14 * d * d + 4 * d * (cfg.titans_persistent + segment)
         return memory + retrieval + attention + 2 * d * d + mlp_flops(cfg), memory + retrieval
     raise ValueError(f"no FLOPs formula for model.variant={variant!r}")

@@ -43,7 +43,7 @@ from hope.bench.measure import LaunchCounter
 from hope.config import Config, OptimConfig, load_config
 from hope.memory.cms import CMS, CMSLevel, prefers_dual_read, split_hidden
 from hope.model.config import ModelConfig
-from hope.model.registry import build_model
+from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler

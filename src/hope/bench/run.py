@@ -27,7 +27,7 @@ Every row also counts the kernel launches of one step (``launches_per_step``, se
 ``projection`` holds, for each ``bench.project_presets`` entry and variant, the
 projected GPU step time and MFU on H200/H100/A100 (:mod:`hope.bench.projection`).
 
-Variants not registered in ``hope.VARIANTS`` and measurements that fail are
+Variants not in ``hope.VARIANTS`` and measurements that fail are
 recorded under ``skipped`` with the reason; the bench itself does not fail.
 """
 
@@ -53,10 +53,11 @@ import torch
 
 from hope.bench import flops, projection
 from hope.bench import measure as m
-from hope.config import BenchConfig, Config, ConfigError, OptimConfig, TrainConfig, config_from_dict
+from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
+from hope.errors import ConfigError
 from hope.io import atomic_write_json
 from hope.model.config import ModelConfig
-from hope.model.registry import build_model
+from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.report.environment import collect_environment
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
@@ -86,6 +87,7 @@ PILOT_CHUNKS_MODEL: dict[str, Any] = {
     "smt_mem_chunk": 16,
     "smt_expansion": 4,
     "titans_chunk": 64,
+    "titans_expansion": 4,
     "titans_window": 1024,
 }
 PILOT_CHUNKS_SEQ_LEN = 1024
@@ -298,7 +300,7 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
     ``isolate=False`` measures in this process (tests: patched methods and
     test-registered variants are visible; peak memory is then the process's).
     """
-    from hope.model.registry import VARIANTS  # computed on access: sees late registrations
+    from hope.model.zoo import VARIANTS
 
     bench = cfg.bench
     check_bench_config(bench)

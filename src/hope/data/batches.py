@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from hope.cli import StageError
 from hope.data.shards import ShardedTokens
+from hope.errors import StageError
 
 
 def _check_length(tokens: ShardedTokens, seq_len: int) -> None:

@@ -31,9 +31,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from hope.cli import StageError
 from hope.config import Config, DataConfig, save_config
 from hope.data.sources import describe_source, iter_documents
+from hope.errors import StageError
 from hope.io import atomic_write_json
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from hope.cli import StageError
 from hope.data.download import SPLITS, iter_jsonl_texts
 from hope.data.tokenizer import load_tokenizer
+from hope.errors import StageError
 from hope.io import atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)

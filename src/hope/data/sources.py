@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from hope.cli import StageError
 from hope.config import DataConfig
+from hope.errors import StageError
 
 # Directories of the stdlib tree that hold tests, fixtures or third-party code,
 # not documentation; matched against every path component.

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from hope.cli import StageError
 from hope.config import TokenizerConfig
 from hope.data.download import iter_jsonl_texts
+from hope.errors import StageError
 from hope.io import atomic_write, atomic_write_json, atomic_write_text, sha256_file
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hope.config import ConfigError
+from hope.errors import ConfigError
 from hope.model.lm import LanguageModel
 
 Encode = Callable[[str], list[int]]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hope.cli import StageError
+from hope.errors import StageError
 from hope.model.lm import LanguageModel
 
 

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hope.config import Config, ConfigError, OptimConfig, RecallConfig
+from hope.config import Config, OptimConfig, RecallConfig
+from hope.errors import ConfigError
 from hope.model.config import ModelConfig
 from hope.model.lm import LanguageModel
-from hope.model.registry import build_model
+from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
 from hope.train.loop import autocast, train_step
@@ -202,7 +203,7 @@ def train_recall(cfg: Config, variant: str) -> dict[str, Any]:
 
 def run_recall(cfg: Config) -> dict[str, Any]:
     """Every ``recall.variants`` entry, trained and scored; the ``reports/recall.json`` body."""
-    from hope.model.registry import VARIANTS
+    from hope.model.zoo import VARIANTS
 
     check_recall_config(cfg.recall)
     unknown = [v for v in cfg.recall.variants if v not in VARIANTS]

@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hope.layers import RMSNorm
 from hope.memory.cms_dual import dual_teach_read
-from hope.memory.fast_state import where_samples
+from hope.memory.cms_state import ChunkDeltas, ChunkLayout, LevelState
+from hope.memory.config import CMSConfig
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
-from hope.model.config import ModelConfig
-from hope.model.layers import RMSNorm
 from hope.optim.inner import InnerRule, gelu_prime, make_inner_rule
 
 GradPoint = Literal["chunk_start", "base"]
@@ -48,73 +48,7 @@ Layout = Literal["chain", "independent"]
 ReadForm = Literal["auto", "dual", "materialized"]
 
 
-@dataclass
-class LevelState:
-    """Per-sample fast state of one CMS level (MECHANISMS §5); every tensor has leading B."""
-
-    delta_in: Tensor  # [B, h, d]  fast delta of W_in
-    delta_out: Tensor  # [B, d, h]  fast delta of W_out
-    mom_in: Tensor | None  # [B, h, d] or None (rule without momentum)
-    mom_out: Tensor | None  # [B, d, h]
-    pending_inputs: Tensor  # [B, P, d]  level inputs not yet written, P < C
-    pending_teach: Tensor  # [B, P, d]  their (masked) teach signals δ
-    pending_scores: Tensor  # [B, P]     their per-token surprise scores
-    updates: Tensor  # [B]  updates fired with the gate open (device counter, read at log time)
-    boundaries: int = 0  # chunk boundaries crossed (static)
-
-    @property
-    def pending(self) -> int:
-        return self.pending_inputs.shape[1]
-
-    def reset_where(self, fresh: LevelState, reset_mask: Tensor) -> LevelState:
-        """Per-sample reset to ``fresh`` (Δ, momenta, counters). The chunk phase is
-        batch-wide, so a reset sample keeps the pending length with its pending tokens
-        zeroed: they add nothing to its next write."""
-
-        def take(old: Tensor | None, new: Tensor | None) -> Tensor | None:
-            return None if old is None or new is None else where_samples(reset_mask, new, old)
-
-        def clear(old: Tensor) -> Tensor:
-            return where_samples(reset_mask, torch.zeros_like(old), old)
-
-        return replace(
-            self,
-            delta_in=where_samples(reset_mask, fresh.delta_in, self.delta_in),
-            delta_out=where_samples(reset_mask, fresh.delta_out, self.delta_out),
-            mom_in=take(self.mom_in, fresh.mom_in),
-            mom_out=take(self.mom_out, fresh.mom_out),
-            pending_inputs=clear(self.pending_inputs),
-            pending_teach=clear(self.pending_teach),
-            pending_scores=clear(self.pending_scores),
-            updates=where_samples(reset_mask, fresh.updates, self.updates),
-        )
-
-
-@dataclass
-class ChunkLayout:
-    """A call's tokens laid out as [pending prefix | new tokens | pad] in chunks of C."""
-
-    inputs: Tensor  # [B, n, C, d]  level inputs a (detached, teach dtype)
-    teach: Tensor  # [B, n, C, d]  masked δ
-    gates: Tensor | None  # [B, n_fire] surprise gates, None when the gate is off
-    n_fire: int  # chunks written in this call (the first n_fire of the n)
-    offset: int  # pending tokens before the first new token
-    pending_inputs: Tensor  # what stays buffered after the call
-    pending_teach: Tensor
-    pending_scores: Tensor
-
-
-@dataclass
-class ChunkDeltas:
-    """Deltas in force per chunk of a call laid out as [pending prefix | new tokens | pad]."""
-
-    delta_in: Tensor  # [B, n, h, d]
-    delta_out: Tensor  # [B, n, d, h]
-    offset: int  # pending tokens before the first new token (chunk 0 starts with them)
-    chunk: int  # C
-
-
-def grad_factors(
+def chunk_grad_sums(
     inputs: Tensor, teach: Tensor, w_in: Tensor, w_out: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Chunk-summed gradients of Σ_t ⟨MLP(a_t), δ_t⟩ as rank-1 sums over t.
@@ -396,13 +330,15 @@ class CMSLevel(nn.Module):
         w_in, w_out = self.w_in.detach().to(inputs_c.dtype), self.w_out.detach().to(inputs_c.dtype)
         base = None
         if self.grad_point == "base" and n_fire:
-            base = grad_factors(inputs_c[:, :n_fire], teach_c[:, :n_fire], w_in, w_out)
+            base = chunk_grad_sums(inputs_c[:, :n_fire], teach_c[:, :n_fire], w_in, w_out)
         d_in, d_out, m_in, m_out = state.delta_in, state.delta_out, state.mom_in, state.mom_out
         deltas_in, deltas_out = [d_in], [d_out]
         for j in range(n_fire):
             cur_in, cur_out = w_in + d_in, w_out + d_out  # chunk-start weights [B, ., .]
             if base is None:
-                g_in, g_out, hidden = grad_factors(inputs_c[:, j], teach_c[:, j], cur_in, cur_out)
+                g_in, g_out, hidden = chunk_grad_sums(
+                    inputs_c[:, j], teach_c[:, j], cur_in, cur_out
+                )
             else:
                 g_in, g_out, hidden = base[0][:, j], base[1][:, j], base[2][:, j]
             gate = None if gates is None else gates[:, j]
@@ -462,44 +398,6 @@ def prefers_dual_read(chunk: int, n_fire: int, hidden: int, dim: int) -> bool:
     return n_fire * chunk * chunk <= hidden * dim
 
 
-def _slice_opt(value: Tensor | None, start: int, stop: int) -> Tensor | None:
-    return None if value is None else value[:, start:stop]
-
-
-def naive_online_level(
-    level: CMSLevel,
-    x_norm: Tensor,
-    teach: Tensor,
-    state: LevelState,
-    *,
-    finalize: bool = False,
-    flush: bool = True,
-    teach_mask: Tensor | None = None,
-    token_loss: Tensor | None = None,
-    token_entropy: Tensor | None = None,
-) -> tuple[Tensor, LevelState]:
-    """Oracle twin of ``teach_forward`` (exact_online): per chunk, read with the current Δ,
-    then write that chunk's tokens (one update at most per segment)."""
-    length, outputs, start = x_norm.shape[1], [], 0
-    while start < length:
-        stop = min(length, start + level.period - state.pending)
-        seg = slice(start, stop)
-        outputs.append(level(x_norm[:, seg], state))
-        last = stop == length
-        state = level.write(
-            x_norm[:, seg],
-            teach[:, seg],
-            state,
-            finalize=finalize and last,
-            flush=flush,
-            teach_mask=_slice_opt(teach_mask, start, stop),
-            token_loss=_slice_opt(token_loss, start, stop),
-            token_entropy=_slice_opt(token_entropy, start, stop),
-        )
-        start = stop
-    return torch.cat(outputs, dim=1), state
-
-
 def split_hidden(total: int, levels: int) -> list[int]:
     """Split the MLP budget Σ h_ℓ = total as evenly as possible (MECHANISMS §1)."""
     if levels < 1 or total < levels:
@@ -553,28 +451,22 @@ class CMS(nn.Module):
         )
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, grad_point: GradPoint = "chunk_start") -> CMS:
+    def from_config(cls, cfg: CMSConfig, grad_point: GradPoint = "chunk_start") -> CMS:
         rule = make_inner_rule(
-            cfg.cms_rule,
-            cfg.cms_lr,
-            cfg.cms_retention,
-            cfg.cms_momentum,
-            cfg.cms_erase,
-            cfg.cms_momentum_width,
+            cfg.rule, cfg.lr, cfg.retention, cfg.momentum, cfg.erase, cfg.momentum_width
         )
-        hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
         return cls(
             cfg.dim,
-            hiddens,
-            cfg.cms_periods,
+            split_hidden(cfg.hidden, len(cfg.periods)),
+            cfg.periods,
             rule,
             norm_eps=cfg.norm_eps,
             grad_point=grad_point,
             surprise_threshold=cfg.surprise_threshold,
             surprise_metric=cfg.surprise_metric,
             init_std=cfg.init_std,
-            adaptive_lr=cfg.cms_adaptive_lr,
-            layout=cfg.cms_layout,
+            adaptive_lr=cfg.adaptive_lr,
+            layout=cfg.layout,
         )
 
     def init_state(
@@ -623,26 +515,3 @@ class CMS(nn.Module):
             x = x + out
             new_state.append(st)
         return x, new_state
-
-
-def naive_online_chain(
-    cms: CMS,
-    x: Tensor,
-    teaches: Sequence[Tensor],
-    state: list[LevelState],
-    *,
-    finalize: bool = False,
-    flush: bool = True,
-) -> tuple[Tensor, list[LevelState]]:
-    """Oracle twin of ``CMS.teach_forward``: loop over chunks of the shortest period
-    (every boundary of every level falls on that grid), read all levels, then write."""
-    length, outputs, start = x.shape[1], [], 0
-    first: int = cms.levels[0].period  # type: ignore[assignment]
-    while start < length:
-        stop = min(length, start + first - state[0].pending)
-        x_seg, taps = cms.read(x[:, start:stop], state)
-        seg_teach = [t[:, start:stop] for t in teaches]
-        state = cms.write(taps, seg_teach, state, finalize=finalize and stop == length, flush=flush)
-        outputs.append(x_seg)
-        start = stop
-    return torch.cat(outputs, dim=1), state

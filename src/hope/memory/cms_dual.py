@@ -24,16 +24,12 @@ of chunks < j. With ``grad_point="base"`` they come from θ0 in one batched op.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hope.memory.cms_state import ChunkLayout, LevelState
 from hope.optim.inner import InnerRule
-
-if TYPE_CHECKING:
-    from hope.memory.cms import ChunkLayout, LevelState
 
 # Sources of Δ_n: 0 = carried Δ_0, 1 = carried momentum m_0, 2 + i = chunk i's G_i.
 _CARRIED = 2

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from hope.memory.config import SMTConfig
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import compiled, dgd_write, resolve_backend
 from hope.memory.pieces import PieceGrid
@@ -46,7 +47,6 @@ from hope.memory.residual_mlp import (
     mlp_apply,
     overshoot_ratio,
 )
-from hope.model.config import ModelConfig
 
 
 @dataclass
@@ -102,25 +102,25 @@ class _Group:
         return tuple(n for n in self.names if n != "mem")
 
 
-def _validate(cfg: ModelConfig) -> None:
+def _validate(cfg: SMTConfig) -> None:
     checks = [
         (cfg.dim % cfg.n_heads == 0, f"model.dim={cfg.dim} not divisible by n_heads"),
-        (cfg.smt_chunk >= 1, f"model.smt_chunk={cfg.smt_chunk} must be >= 1"),
+        (cfg.chunk >= 1, f"model.smt_chunk={cfg.chunk} must be >= 1"),
         (
-            cfg.smt_mem_chunk >= cfg.smt_chunk and cfg.smt_mem_chunk % cfg.smt_chunk == 0,
-            f"model.smt_mem_chunk={cfg.smt_mem_chunk} must be a multiple of "
-            f"model.smt_chunk={cfg.smt_chunk}",
+            cfg.mem_chunk >= cfg.chunk and cfg.mem_chunk % cfg.chunk == 0,
+            f"model.smt_mem_chunk={cfg.mem_chunk} must be a multiple of "
+            f"model.smt_chunk={cfg.chunk}",
         ),
-        (0.0 < cfg.smt_retention_init < 1.0, "model.smt_retention_init must be in (0, 1)"),
-        (cfg.smt_expansion >= 1, f"model.smt_expansion={cfg.smt_expansion} must be >= 1"),
-        (cfg.smt_conv_window >= 0, f"model.smt_conv_window={cfg.smt_conv_window} must be >= 0"),
+        (0.0 < cfg.retention_init < 1.0, "model.smt_retention_init must be in (0, 1)"),
+        (cfg.expansion >= 1, f"model.smt_expansion={cfg.expansion} must be >= 1"),
+        (cfg.conv_window >= 0, f"model.smt_conv_window={cfg.conv_window} must be >= 0"),
         (cfg.write_grad_window >= 1, "model.write_grad_window must be >= 1"),
         (
-            cfg.smt_checkpoint_chunks >= 0,
-            f"model.smt_checkpoint_chunks={cfg.smt_checkpoint_chunks} must be >= 0",
+            cfg.checkpoint_chunks >= 0,
+            f"model.smt_checkpoint_chunks={cfg.checkpoint_chunks} must be >= 0",
         ),
         (cfg.write_grad in ("full", "truncated", "stopgrad"), f"bad write_grad={cfg.write_grad!r}"),
-        (cfg.smt_objective in ("l2", "dot"), f"bad model.smt_objective={cfg.smt_objective!r}"),
+        (cfg.objective in ("l2", "dot"), f"bad model.smt_objective={cfg.objective!r}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -128,20 +128,20 @@ def _validate(cfg: ModelConfig) -> None:
 
 
 class SelfModifyingTitans(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str | None = None):
+    def __init__(self, cfg: SMTConfig, backend: str | None = None):
         super().__init__()
         _validate(cfg)
         self.cfg = cfg
         self.backend = resolve_backend(backend) if backend is not None else None
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
-        hidden = cfg.smt_expansion * self.d_head
+        hidden = cfg.expansion * self.d_head
         self.conv = (
-            CausalDepthwiseConv(cfg.dim, cfg.smt_conv_window, cfg.init_std)
-            if cfg.smt_conv_window > 0
+            CausalDepthwiseConv(cfg.dim, cfg.conv_window, cfg.init_std)
+            if cfg.conv_window > 0
             else None
         )
         outs = {"k": self.d_head, "v": self.d_head}
-        if cfg.smt_adaptive_q:
+        if cfg.adaptive_q:
             outs["q"] = self.d_head
         outs |= {"eta": 1, "alpha": 1, "mem": self.d_head}  # M_mem last (stacking order)
         self._outs = outs
@@ -161,13 +161,13 @@ class SelfModifyingTitans(nn.Module):
         # Fixed (non-adaptive) query map per head; M_q replaces it when adaptive.
         self.w_q = (
             None
-            if cfg.smt_adaptive_q
+            if cfg.adaptive_q
             else nn.Parameter(
                 torch.randn(cfg.n_heads, self.d_head, self.d_head) / math.sqrt(self.d_head)
             )
         )
         # b_alpha makes sigmoid(.) ~ smt_retention_init at init (MECHANISMS §3 "Init").
-        logit = math.log(cfg.smt_retention_init / (1.0 - cfg.smt_retention_init))
+        logit = math.log(cfg.retention_init / (1.0 - cfg.retention_init))
         self.alpha_bias = nn.Parameter(torch.full((cfg.n_heads,), logit))
         self.w_o = nn.Linear(cfg.dim, cfg.dim, bias=False)
         nn.init.normal_(self.w_o.weight, std=cfg.init_std)
@@ -198,7 +198,7 @@ class SelfModifyingTitans(nn.Module):
         if backend == "naive":
             return tuple(self._group((n,)) for n in self.inits)
         every_chunk = tuple(n for n in self.inits if n != "mem")
-        if self.cfg.smt_chunk == self.cfg.smt_mem_chunk:
+        if self.cfg.chunk == self.cfg.mem_chunk:
             return (self._group((*every_chunk, "mem")),)
         return (self._group(every_chunk), self._group(("mem",)))
 
@@ -252,7 +252,7 @@ class SelfModifyingTitans(nn.Module):
             # Normalising v like k (a deviation; docs/FAITHFULNESS.md) keeps the
             # targets' inputs on the unit sphere.
             v = F.normalize(raw["v"], dim=-1)
-            eta = self.cfg.smt_eta_scale * F.softplus(raw["eta"].squeeze(-1))
+            eta = self.cfg.eta_scale * F.softplus(raw["eta"].squeeze(-1))
             alpha = torch.sigmoid(raw["alpha"].squeeze(-1) + self.alpha_bias[:, None])
         query = raw["q"] if self.w_q is None else xc @ self.w_q
         return _Generated(k, v, F.normalize(query, dim=-1), eta, alpha)
@@ -293,12 +293,12 @@ class SelfModifyingTitans(nn.Module):
         # C x C system.
         step = chunk_pass(
             fast.w1, fast.w2, v, k, _repeat_heads(gen.q, n) if read else None,
-            self.cfg.smt_objective, residual,
+            self.cfg.objective, residual,
         )  # fmt: skip
         new = dgd_write(
             fast, k, step.target, self._bounded_eta(eta, step.coupling), alpha,
-            objective=self.cfg.smt_objective, residual=residual,
-            precondition=self.cfg.smt_precondition, momentum=self.cfg.smt_momentum,
+            objective=self.cfg.objective, residual=residual,
+            precondition=self.cfg.precondition, momentum=self.cfg.momentum,
             backend=backend, factors=step.factors,
         )  # fmt: skip
         new = new.detach() if self.cfg.write_grad == "stopgrad" else new
@@ -352,10 +352,10 @@ class SelfModifyingTitans(nn.Module):
         plan = self._plan(backend)
         loop = _Loop.build(plan, backend, seq, pieces)
         carry = _Carry({g.key: _stack(state.memories, g) for g in plan}, [], 0, state.chunks_done)
-        c_o = self.cfg.smt_chunk
+        c_o = self.cfg.chunk
         # One split (a cheap backward), not T/C slices.
         chunks = list(zip(range(0, seq, c_o), heads.split(c_o, dim=2), strict=True))
-        span = self.cfg.smt_checkpoint_chunks
+        span = self.cfg.checkpoint_chunks
         reads: list[Tensor] = []
         if span and pieces is None and torch.is_grad_enabled():
             # MECHANISMS §8.1: keep one state per segment boundary and recompute the
@@ -398,13 +398,13 @@ class SelfModifyingTitans(nn.Module):
         )
         stacks = carry.stacks
         gen = loop.generate(self, stacks, xc, plan, keep)
-        if self.cfg.smt_chunk == self.cfg.smt_mem_chunk:  # every group written every chunk
+        if self.cfg.chunk == self.cfg.mem_chunk:  # every group written every chunk
             read = self._write_all(stacks, loop, gen, keep)
         else:
             read = self._read(stacks[flush.key], flush, gen.q)  # read before write
             carry.pending.append(gen)
             carry.pending_len += gen.k.shape[2]
-            flush_now = carry.pending_len == self.cfg.smt_mem_chunk or stop >= loop.seq
+            flush_now = carry.pending_len == self.cfg.mem_chunk or stop >= loop.seq
             with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
                 for group in plan:
                     if group is not flush:

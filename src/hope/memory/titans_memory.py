@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from hope.memory.config import TitansMemoryConfig
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.deep_mlp import (
     DeepFastWeights,
@@ -51,7 +52,6 @@ from hope.memory.residual_mlp import (
     mlp_apply,
     overshoot_ratio,
 )
-from hope.model.config import ModelConfig
 
 # Gate values at init (the paper gives none): theta at half its cap (a
 # fraction of ``chunk_step_cap``), a long surprise momentum eta ~ 0.9 and a slow
@@ -111,20 +111,20 @@ class NeuralMemoryState:
 
 
 class NeuralMemory(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str | None = None):
+    def __init__(self, cfg: TitansMemoryConfig, backend: str | None = None):
         super().__init__()
         if cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} not divisible by model.n_heads={cfg.n_heads}")
-        if cfg.titans_chunk < 1:
-            raise ValueError(f"model.titans_chunk={cfg.titans_chunk} must be >= 1")
+        if cfg.chunk < 1:
+            raise ValueError(f"model.titans_chunk={cfg.chunk} must be >= 1")
         self.cfg = cfg
         self.backend = resolve_backend(backend) if backend is not None else None
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         self.w_qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         # The conv window is shared with SMT (one knob for "local conv on inputs").
         self.conv = (
-            CausalDepthwiseConv(3 * cfg.dim, cfg.smt_conv_window, cfg.init_std)
-            if cfg.smt_conv_window > 0
+            CausalDepthwiseConv(3 * cfg.dim, cfg.conv_window, cfg.init_std)
+            if cfg.conv_window > 0
             else None
         )
         self.gates = nn.Linear(cfg.dim, 3 * cfg.n_heads)
@@ -132,10 +132,10 @@ class NeuralMemory(nn.Module):
         self.vector_params = ("gates.weight",)
         nn.init.normal_(self.gates.weight, std=cfg.init_std)
         self.init_extra_parameters()
-        hidden = cfg.smt_expansion * self.d_head
+        hidden = cfg.expansion * self.d_head
         # Depth L_M (Ti §3.1): 2 runs the two-layer fast path of residual_mlp; any other
         # depth the general one of deep_mlp (equal at L_M = 2, tests).
-        self.depth = cfg.titans_depth
+        self.depth = cfg.depth
         self.init: MemoryInit | DeepMemoryInit = (
             MemoryInit(cfg.n_heads, self.d_head, hidden, self.d_head, cfg.init_std)
             if self.depth == 2
@@ -185,7 +185,7 @@ class NeuralMemory(nn.Module):
         # [B, T, 3H] -> three [B, H, T] gates
         theta, eta, alpha = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
         fast, chunks_done, reads = state.memory, state.chunks_done, []
-        size = self.cfg.titans_chunk
+        size = self.cfg.chunk
         # backend "compile": the whole chunk step (read, curvature, factors, write) in
         # one compiled graph, its write on the plain closed form.
         step = (

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hope.layers import RMSNorm, apply_rotary, rotary_tables
 from hope.memory.pieces import PieceGrid
-from hope.model.layers import RMSNorm, apply_rotary, rotary_tables
 
 
 @dataclass

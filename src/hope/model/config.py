@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hope.memory.config import (
+    CMSConfig,
+    CMSLayout,
+    CMSRuleName,
+    Objective,
+    SMTConfig,
+    SurpriseMetric,
+    TitansMemoryConfig,
+    WriteGrad,
+)
+
 Variant = Literal[
     "transformer",
     "hope_attention",
@@ -58,15 +69,7 @@ class ModelConfig:
     # (m <- beta m - eta G (eps I + X^T X / C)^-1, eps = cms_erase; NL eq. 21),
     # deep_momentum (DMGD, NL eq. 23: an MLP memory of past gradients, hidden width
     # cms_momentum_width, retention beta = cms_momentum; hope.optim.inner).
-    cms_rule: Literal[
-        "gd",
-        "momentum",
-        "dgd",
-        "delta_momentum",
-        "ortho_momentum",
-        "precond_momentum",
-        "deep_momentum",
-    ] = "gd"
+    cms_rule: CMSRuleName = "gd"
     cms_momentum: float = 0.0
     cms_erase: float = 0.0
     # deep_momentum (DMGD, NL eq. 23): hidden width r of the momentum MLP memory.
@@ -79,7 +82,7 @@ class ModelConfig:
     # chain: each level reads the previous one's output (eq. 30); independent: every
     # level reads the block input and their outputs are summed (NL-arXiv's
     # independent CMS; docs/FAITHFULNESS.md).
-    cms_layout: Literal["chain", "independent"] = "chain"
+    cms_layout: CMSLayout = "chain"
 
     # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
     # Tiny uses C_o = C_m = 16 (Python-level chunk loop cost on CPU); the paper-scale
@@ -88,7 +91,7 @@ class ModelConfig:
     smt_chunk: int = 16
     smt_mem_chunk: int = 16
     smt_expansion: int = 2
-    smt_objective: Literal["l2", "dot"] = "l2"
+    smt_objective: Objective = "l2"
     # eta = scale * softplus(M_eta(x)). 1 is NL-arXiv eq. 83 as written (other values
     # are an ablation knob). Against the earlier 1e-3 (a predecessor's scale) it ties
     # on both measurements, so the paper's form is the default: MQAR recall 0.944 vs
@@ -102,7 +105,7 @@ class ModelConfig:
     smt_precondition: bool = True
     smt_adaptive_q: bool = False
     smt_conv_window: int = 4
-    write_grad: Literal["full", "truncated", "stopgrad"] = "full"
+    write_grad: WriteGrad = "full"
     write_grad_window: int = 4
     # Activation checkpointing of the SMT chunk loop (MECHANISMS §8.1): keep one
     # state per segment of this many C_o chunks and recompute the segment's steps in
@@ -117,7 +120,62 @@ class ModelConfig:
     # Depth L_M of the Titans memory (Ti §3.1; the paper ablates 1-4): 1 is the
     # linear memory z + W z, 2 the two-layer MLP of the fast path.
     titans_depth: int = 2
+    # Hidden width of the Titans memory (x head dim) and its q/k/v conv window.
+    titans_expansion: int = 2
+    titans_conv_window: int = 4
 
     # Surprise gate (per sample, per chunk, on device). None disables the gate.
     surprise_threshold: float | None = None
-    surprise_metric: Literal["l2", "loss", "entropy"] = "l2"
+    surprise_metric: SurpriseMetric = "l2"
+
+    def cms_config(self) -> CMSConfig:
+        return CMSConfig(
+            dim=self.dim,
+            hidden=int(round(self.mlp_ratio * self.dim)),
+            periods=tuple(self.cms_periods),
+            rule=self.cms_rule,
+            lr=self.cms_lr,
+            retention=self.cms_retention,
+            momentum=self.cms_momentum,
+            erase=self.cms_erase,
+            momentum_width=self.cms_momentum_width,
+            adaptive_lr=self.cms_adaptive_lr,
+            layout=self.cms_layout,
+            norm_eps=self.norm_eps,
+            init_std=self.init_std,
+            surprise_threshold=self.surprise_threshold,
+            surprise_metric=self.surprise_metric,
+        )
+
+    def smt_config(self) -> SMTConfig:
+        return SMTConfig(
+            dim=self.dim,
+            n_heads=self.n_heads,
+            chunk=self.smt_chunk,
+            mem_chunk=self.smt_mem_chunk,
+            expansion=self.smt_expansion,
+            objective=self.smt_objective,
+            eta_scale=self.smt_eta_scale,
+            retention_init=self.smt_retention_init,
+            momentum=self.smt_momentum,
+            precondition=self.smt_precondition,
+            adaptive_q=self.smt_adaptive_q,
+            conv_window=self.smt_conv_window,
+            write_grad=self.write_grad,
+            write_grad_window=self.write_grad_window,
+            checkpoint_chunks=self.smt_checkpoint_chunks,
+            init_std=self.init_std,
+        )
+
+    def titans_memory_config(self) -> TitansMemoryConfig:
+        return TitansMemoryConfig(
+            dim=self.dim,
+            n_heads=self.n_heads,
+            chunk=self.titans_chunk,
+            depth=self.titans_depth,
+            expansion=self.titans_expansion,
+            conv_window=self.titans_conv_window,
+            write_grad=self.write_grad,
+            write_grad_window=self.write_grad_window,
+            init_std=self.init_std,
+        )

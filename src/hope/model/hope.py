@@ -25,8 +25,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from hope.config import ConfigError
-from hope.memory.cms import CMS, LevelState
+from hope.errors import ConfigError
+from hope.layers import RMSNorm
+from hope.memory.cms import CMS
+from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import detach_state
 from hope.memory.pieces import PieceGrid
 from hope.memory.smt import SelfModifyingTitans
@@ -37,9 +39,7 @@ from hope.model.attention import (
     extend_valid,
 )
 from hope.model.config import ModelConfig
-from hope.model.layers import RMSNorm
 from hope.model.lm import LanguageModel, LMState
-from hope.model.registry import register_variant
 from hope.model.teach import exact_online_forward, teach_pass_forward
 
 
@@ -92,7 +92,7 @@ class SMTMixer(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.smt = SelfModifyingTitans(cfg)
+        self.smt = SelfModifyingTitans(cfg.smt_config())
         # W_o feeds the residual stream like attention's output projection: GPT-2 scaled init.
         self.smt.w_o.residual_projection = True  # type: ignore[assignment]
 
@@ -124,7 +124,7 @@ class HopeBlock(nn.Module):
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mixer = mixer
-        self.cms = CMS.from_config(cfg)
+        self.cms = CMS.from_config(cfg.cms_config())
 
     def init_state(self, batch_size: int, device: torch.device) -> HopeBlockState:
         # CMS deltas are fp32 (fp64 for an fp64 model), whatever autocast does to activations.
@@ -207,12 +207,10 @@ def _hope_model(cfg: ModelConfig, make_mixer: type[nn.Module]) -> HopeLM:
     return HopeLM(cfg, blocks)
 
 
-@register_variant("hope_attention")
 def build_hope_attention(cfg: ModelConfig) -> LanguageModel:
     return _hope_model(cfg, AttentionMixer)
 
 
-@register_variant("hope")
 def build_hope(cfg: ModelConfig) -> LanguageModel:
     # exact_online streams the call in C1-token calls; the streamed SMT equals the
     # one-call SMT (the read path's) only if C1 is a multiple of C_m.

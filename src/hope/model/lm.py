@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hope.layers import RMSNorm
 from hope.memory.fast_state import restore_state
 from hope.model.config import ModelConfig
-from hope.model.layers import RMSNorm
 
 
 @dataclass

@@ -5,9 +5,9 @@ chunks of c = ``online_chunk_size`` tokens. Chunk m = tokens [mc, (m+1)c) is fed
 through ``forward_teach`` with its next-token targets (its last target is the first
 token of chunk m+1; the text's final token has none, -100), carrying the state. So
 every token is written exactly once and the state after chunk m depends only on
-tokens ≤ the first token of chunk m+1 (causal). Ref instead re-feeds the whole
-prefix per chunk (``memorize.py:232``): O(N²), SMT re-writes prefix tokens and the
-CMS cadence counts them again.
+tokens ≤ the first token of chunk m+1 (causal). Re-feeding the whole prefix per
+chunk instead would cost O(N²), re-write prefix tokens into the SMT and count them
+again in the CMS cadence.
 
 What is written. A block state holds *memories* (CMS Δ, momentum and update counters;
 SMT memories; Titans memory weights and momentum) and *context* (KV caches, conv
@@ -35,7 +35,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor
 
-from hope.memory.cms import CMSLevel, LevelState
+from hope.memory.cms import CMSLevel
+from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
 from hope.memory.smt import SMTState
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
@@ -51,7 +52,7 @@ _CMS_LEVEL = re.compile(r"cms:(\d+)")
 
 @dataclass(frozen=True)
 class MemorizeConfig:
-    """What ``memorize`` writes, and how (Ref ``memorize.py:13-23``, renamed paths).
+    """What ``memorize`` writes, and how.
 
     paths: memories to write, ⊂ {"smt", "titans", "cms", "cms:<level>"}; None = all the
         model has. "cms" = every CMS level.

@@ -24,8 +24,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from hope.layers import apply_rotary, rotary_tables
 from hope.model.attention import CausalSelfAttention, KVCache, extend_valid
-from hope.model.layers import apply_rotary, rotary_tables
 
 
 def sliding_window_mask(past: int, length: int, window: int, device: torch.device) -> Tensor:

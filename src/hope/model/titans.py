@@ -28,14 +28,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from hope.layers import MLP, RMSNorm, swiglu_hidden
 from hope.memory.deep_mlp import DeepFastWeights
 from hope.memory.residual_mlp import FastWeights
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
 from hope.model.config import ModelConfig
-from hope.model.layers import MLP, RMSNorm, swiglu_hidden
 from hope.model.lm import LanguageModel
-from hope.model.registry import register_variant
 from hope.model.sliding_attention import PersistentAttention
 
 
@@ -75,7 +74,7 @@ class _TitansBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.memory = NeuralMemory(cfg)
+        self.memory = NeuralMemory(cfg.titans_memory_config())
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg.dim, swiglu_hidden(cfg.dim, cfg.mlp_ratio), "swiglu")
 
@@ -204,21 +203,17 @@ def _build(cfg: ModelConfig, block: type[nn.Module]) -> LanguageModel:
     return LanguageModel(cfg, nn.ModuleList(block(cfg) for _ in range(cfg.n_layers)))
 
 
-@register_variant("titans_lmm")
 def build_titans_lmm(cfg: ModelConfig) -> LanguageModel:
     return _build(cfg, TitansLMMBlock)
 
 
-@register_variant("titans_mal")
 def build_titans_mal(cfg: ModelConfig) -> LanguageModel:
     return _build(cfg, TitansMALBlock)
 
 
-@register_variant("titans_mag")
 def build_titans_mag(cfg: ModelConfig) -> LanguageModel:
     return _build(cfg, TitansMAGBlock)
 
 
-@register_variant("titans_mac")
 def build_titans_mac(cfg: ModelConfig) -> LanguageModel:
     return _build(cfg, TitansMACBlock)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hope.layers import MLP, RMSNorm, swiglu_hidden
 from hope.model.attention import CausalSelfAttention, KVCache
 from hope.model.config import ModelConfig
-from hope.model.layers import MLP, RMSNorm, swiglu_hidden
 from hope.model.lm import LanguageModel
-from hope.model.registry import register_variant
 
 
 class TransformerBlock(nn.Module):
@@ -37,7 +36,6 @@ class TransformerBlock(nn.Module):
         return x, state
 
 
-@register_variant("transformer")
 def build_transformer(cfg: ModelConfig) -> LanguageModel:
     blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
     return LanguageModel(cfg, blocks)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hope.config import ConfigError
+from hope.errors import ConfigError
 
 # Modules whose parameters never go to the matrix group. The untied output head is
 # excluded by name, as in Muon practice: its update must follow the logits' scale.
@@ -48,7 +48,7 @@ class ParamPartition:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    # Our RMSNorm (hope.model.layers) and any other "*Norm" class count as norms.
+    # Our RMSNorm (hope.layers) and any other "*Norm" class count as norms.
     return isinstance(module, _NORM_TYPES) or bool(_NORM_NAME.search(type(module).__name__))
 
 

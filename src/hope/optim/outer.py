@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hope.config import ConfigError, OptimConfig
+from hope.config import OptimConfig
+from hope.errors import ConfigError
 from hope.optim.groups import adamw_groups, embedding_ids, trainable_named
 from hope.optim.m3 import build_m3_hybrid
 from hope.optim.muon import build_muon_hybrid

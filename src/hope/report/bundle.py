@@ -28,8 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch import nn
 
-from hope.cli import StageError
 from hope.config import Config, config_from_dict, save_config
+from hope.errors import StageError
 from hope.io import atomic_write, atomic_write_json, atomic_write_text, sha256_file
 from hope.report.environment import collect_environment
 
@@ -333,7 +333,7 @@ def _swap_into_place(new: Path, out: Path) -> None:
 
 def load_released_model(bundle_dir: str | Path, verify: bool = True) -> nn.Module:
     """Rebuild the model from ``config.yaml`` + ``model.safetensors`` (no pickle involved)."""
-    from hope.model.registry import build_model
+    from hope.model.zoo import build_model
 
     root = Path(bundle_dir)
     if verify and (problems := verify_bundle(root)):

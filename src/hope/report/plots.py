@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from hope.cli import StageError  # noqa: E402
+from hope.errors import StageError  # noqa: E402
 from hope.io import atomic_write  # noqa: E402
 
 FIGSIZE = (6.0, 4.0)

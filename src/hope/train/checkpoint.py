@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from hope.cli import StageError
 from hope.config import Config, config_from_dict
+from hope.errors import StageError
 from hope.io import atomic_write
 from hope.model.lm import LanguageModel
-from hope.model.registry import build_model
+from hope.model.zoo import build_model
 
 CHECKPOINT_RE = re.compile(r"^step_(\d{7,})\.pt$")
 FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hope.config import ConfigError, TrainConfig
+from hope.config import TrainConfig
+from hope.errors import ConfigError
 from hope.memory.ops.dispatch import set_default_backend
 
 

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hope.config import Config, ConfigError
+from hope.config import Config
+from hope.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from hope.data.batches import eval_batches, random_batch
 from hope.data.shards import ShardedTokens, load_split
 from hope.io import atomic_write_json
 from hope.model.lm import LanguageModel
-from hope.model.registry import build_model
+from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env

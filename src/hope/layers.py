@@ -1,4 +1,6 @@
-"""Small building blocks shared by every variant: RMSNorm, rotary embedding, MLPs."""
+"""Building blocks shared by the memories and every variant: RMSNorm, rotary embedding, MLPs.
+
+Imports only torch, so `hope.memory` and `hope.model` can both use it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,77 @@
+"""Per-sample fast state of a CMS level and the layout of one call's tokens in chunks
+(``memory/cms.py``, MECHANISMS §5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from hope.memory.fast_state import where_samples
+
+
+@dataclass
+class LevelState:
+    """Per-sample fast state of one CMS level (MECHANISMS §5); every tensor has leading B."""
+
+    delta_in: Tensor  # [B, h, d]  fast delta of W_in
+    delta_out: Tensor  # [B, d, h]  fast delta of W_out
+    mom_in: Tensor | None  # [B, h, d] or None (rule without momentum)
+    mom_out: Tensor | None  # [B, d, h]
+    pending_inputs: Tensor  # [B, P, d]  level inputs not yet written, P < C
+    pending_teach: Tensor  # [B, P, d]  their (masked) teach signals δ
+    pending_scores: Tensor  # [B, P]     their per-token surprise scores
+    updates: Tensor  # [B]  updates fired with the gate open (device counter, read at log time)
+    boundaries: int = 0  # chunk boundaries crossed (static)
+
+    @property
+    def pending(self) -> int:
+        return self.pending_inputs.shape[1]
+
+    def reset_where(self, fresh: LevelState, reset_mask: Tensor) -> LevelState:
+        """Per-sample reset to ``fresh`` (Δ, momenta, counters). The chunk phase is
+        batch-wide, so a reset sample keeps the pending length with its pending tokens
+        zeroed: they add nothing to its next write."""
+
+        def take(old: Tensor | None, new: Tensor | None) -> Tensor | None:
+            return None if old is None or new is None else where_samples(reset_mask, new, old)
+
+        def clear(old: Tensor) -> Tensor:
+            return where_samples(reset_mask, torch.zeros_like(old), old)
+
+        return replace(
+            self,
+            delta_in=where_samples(reset_mask, fresh.delta_in, self.delta_in),
+            delta_out=where_samples(reset_mask, fresh.delta_out, self.delta_out),
+            mom_in=take(self.mom_in, fresh.mom_in),
+            mom_out=take(self.mom_out, fresh.mom_out),
+            pending_inputs=clear(self.pending_inputs),
+            pending_teach=clear(self.pending_teach),
+            pending_scores=clear(self.pending_scores),
+            updates=where_samples(reset_mask, fresh.updates, self.updates),
+        )
+
+
+@dataclass
+class ChunkLayout:
+    """A call's tokens laid out as [pending prefix | new tokens | pad] in chunks of C."""
+
+    inputs: Tensor  # [B, n, C, d]  level inputs a (detached, teach dtype)
+    teach: Tensor  # [B, n, C, d]  masked δ
+    gates: Tensor | None  # [B, n_fire] surprise gates, None when the gate is off
+    n_fire: int  # chunks written in this call (the first n_fire of the n)
+    offset: int  # pending tokens before the first new token
+    pending_inputs: Tensor  # what stays buffered after the call
+    pending_teach: Tensor
+    pending_scores: Tensor
+
+
+@dataclass
+class ChunkDeltas:
+    """Deltas in force per chunk of a call laid out as [pending prefix | new tokens | pad]."""
+
+    delta_in: Tensor  # [B, n, h, d]
+    delta_out: Tensor  # [B, n, d, h]
+    offset: int  # pending tokens before the first new token (chunk 0 starts with them)
+    chunk: int  # C

@@ -1,0 +1,86 @@
+"""Typed configs of the three memories, each holding only the knobs its module reads.
+
+No defaults here: every default is written once, in ``hope.model.config.ModelConfig``,
+which builds these (``ModelConfig.cms_config`` and friends). The memories import
+nothing from ``hope.model``; a memory used outside the model zoo is built from one
+of these directly. Imports no torch, so ``hope.config`` stays light.
+
+Error messages name the ``model.*`` params key a user sets, not the field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+CMSRuleName = Literal[
+    "gd",
+    "momentum",
+    "dgd",
+    "delta_momentum",
+    "ortho_momentum",
+    "precond_momentum",
+    "deep_momentum",
+]
+CMSLayout = Literal["chain", "independent"]
+SurpriseMetric = Literal["l2", "loss", "entropy"]
+WriteGrad = Literal["full", "truncated", "stopgrad"]
+Objective = Literal["l2", "dot"]
+
+
+@dataclass(frozen=True)
+class CMSConfig:
+    """Continuum Memory System (NL §3, eqs. 30–31; ``memory/cms.py``)."""
+
+    dim: int
+    hidden: int  # total MLP width, split across the levels (``split_hidden``)
+    periods: tuple[int, ...]  # tokens between writes of each level
+    rule: CMSRuleName  # the inner rule of every level (``optim/inner.py``)
+    lr: float
+    retention: float
+    momentum: float
+    erase: float
+    momentum_width: int  # deep_momentum's hidden width
+    adaptive_lr: bool  # η_t = lr·2σ(w·a_t + b) per token (eq. 31)
+    layout: CMSLayout
+    norm_eps: float
+    init_std: float
+    surprise_threshold: float | None
+    surprise_metric: SurpriseMetric
+
+
+@dataclass(frozen=True)
+class SMTConfig:
+    """Self-modifying Titans (NL-arXiv §8; ``memory/smt.py``)."""
+
+    dim: int
+    n_heads: int
+    chunk: int  # C_o: tokens per write of the generating memories
+    mem_chunk: int  # C_m: tokens per write of M_mem, a multiple of C_o
+    expansion: int  # hidden width of each memory = expansion × head dim
+    objective: Objective
+    eta_scale: float
+    retention_init: float
+    momentum: float
+    precondition: bool
+    adaptive_q: bool
+    conv_window: int
+    write_grad: WriteGrad
+    write_grad_window: int
+    checkpoint_chunks: int
+    init_std: float
+
+
+@dataclass(frozen=True)
+class TitansMemoryConfig:
+    """Titans neural long-term memory (Ti §3; ``memory/titans_memory.py``)."""
+
+    dim: int
+    n_heads: int
+    chunk: int  # tokens per chunked write (Ti eqs. 16–18)
+    depth: int  # L_M
+    expansion: int  # hidden width = expansion × head dim
+    conv_window: int
+    write_grad: WriteGrad
+    write_grad_window: int
+    init_std: float
