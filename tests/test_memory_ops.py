@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
 from torch.nn import functional as F
 
+from hope.layers import gelu_backward, gelu_prime
 from hope.memory import residual_mlp
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
@@ -15,8 +17,6 @@ from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_mom
 from hope.memory.residual_mlp import (
     FastWeights,
     curvature_reference,
-    gelu_derivative,
-    gelu_slope_reference,
     grad_factors,
     inner_loss,
     mlp_apply,
@@ -122,18 +122,39 @@ def test_grad_factors_equal_autograd_per_token_gradients(objective, d_out):
     torch.testing.assert_close(fac.d.unsqueeze(-1) * k.unsqueeze(-2), g2, rtol=0, atol=1e-12)
 
 
-def test_gelu_derivative_and_its_closed_form_backward_equal_autograd():
+def gelu_prime_reference(z: torch.Tensor) -> torch.Tensor:
+    """gelu'(z) = Phi(z) + z phi(z) from elementary ops; autograd derives through each."""
+    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+    return cdf + z * torch.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def test_gelu_prime_and_its_closed_form_backward_equal_autograd():
     z = torch.linspace(-6.0, 6.0, 241, dtype=torch.float64, requires_grad=True)
-    slope = gelu_derivative(z)
+    slope = gelu_prime(z)
     (auto_slope,) = torch.autograd.grad(F.gelu(z).sum(), z, create_graph=True)
     torch.testing.assert_close(slope, auto_slope, rtol=0, atol=1e-15)
     probe = torch.randn(241, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     (second,) = torch.autograd.grad((slope * probe).sum(), z)
-    (twin,) = torch.autograd.grad((gelu_slope_reference(z) * probe).sum(), z)
+    (twin,) = torch.autograd.grad((gelu_prime_reference(z) * probe).sum(), z)
     (auto_second,) = torch.autograd.grad((auto_slope * probe).sum(), z)
     torch.testing.assert_close(second, twin, rtol=0, atol=1e-14)
     torch.testing.assert_close(second, auto_second, rtol=0, atol=1e-14)
-    assert torch.autograd.gradcheck(gelu_derivative, (z[::20].detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(gelu_prime, (z[::20].detach().requires_grad_(),))
+
+
+def test_gelu_backward_is_the_signal_times_gelu_prime_in_value_and_gradients():
+    gen = torch.Generator().manual_seed(2)
+    z = (3 * torch.randn(5, 7, dtype=DT, generator=gen)).requires_grad_()
+    signal = torch.randn(5, 7, dtype=DT, generator=gen, requires_grad=True)
+    probe = torch.randn(5, 7, dtype=DT, generator=gen)
+    fused = gelu_backward(signal, z)
+    plain = signal * gelu_prime(z)
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-14)
+    grads = torch.autograd.grad((fused * probe).sum(), (signal, z))
+    twins = torch.autograd.grad((plain * probe).sum(), (signal, z))
+    for got, want in zip(grads, twins, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(gelu_backward, (signal[:2, :3], z[:2, :3]))
 
 
 @pytest.mark.parametrize("expanded_w1", [False, True])

@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hope.layers import RMSNorm
+from hope.layers import RMSNorm, gelu_backward
 from hope.memory.cms_dual import dual_teach_read
 from hope.memory.cms_state import ChunkDeltas, ChunkLayout, LevelState
 from hope.memory.config import CMSConfig
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
-from hope.optim.inner import InnerRule, gelu_prime, make_inner_rule
+from hope.optim.inner import InnerRule, make_inner_rule
 
 GradPoint = Literal["chunk_start", "base"]
 Layout = Literal["chain", "independent"]
@@ -60,7 +60,7 @@ def chunk_grad_sums(
     pre = inputs @ w_in.transpose(-1, -2)  # z [..., C, h]
     hidden = F.gelu(pre)
     g_out = teach.transpose(-1, -2) @ hidden  # Σ_t δ_t h_tᵀ  [..., d, h]
-    back = (teach @ w_out) * gelu_prime(pre)  # W_outᵀδ_t ⊙ gelu′(z_t)  [..., C, h]
+    back = gelu_backward(teach @ w_out, pre)  # W_outᵀδ_t ⊙ gelu′(z_t)  [..., C, h]
     g_in = back.transpose(-1, -2) @ inputs  # [..., h, d]
     return g_in, g_out, hidden
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hope.layers import gelu_backward
 from hope.memory.cms_state import ChunkLayout, LevelState
 from hope.optim.inner import InnerRule
 
@@ -92,7 +93,7 @@ def _scan_factors(
     teach = layout.teach.reshape(batch, -1, dim)
     if at_base:
         pre = inputs[:, :fired] @ w_in.t()
-        return F.gelu(pre), torch.ops.aten.gelu_backward(teach[:, :fired] @ w_out, pre)
+        return F.gelu(pre), gelu_backward(teach[:, :fired] @ w_out, pre)
     c_delta, c_mom = carried
     pre_0 = inputs @ w_in.t() + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
     # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
@@ -108,7 +109,7 @@ def _scan_factors(
         pre = torch.baddbmm(pre_0[:, rows], key_scores[:, rows], back)
         hidden[:, rows] = F.gelu(pre)
         signal = torch.baddbmm(back_0[:, rows], teach_scores[:, rows], hidden)
-        back[:, rows] = torch.ops.aten.gelu_backward(signal, pre)
+        back[:, rows] = gelu_backward(signal, pre)
     return hidden, back
 
 

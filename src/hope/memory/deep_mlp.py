@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from hope.layers import gelu_prime
 from hope.memory.ops.chunk import chunk_momentum_matrix, momentum_chunk_coefficients
 from hope.memory.ops.naive import naive_momentum_layers
-from hope.memory.residual_mlp import gelu_derivative
 
 
 @dataclass
@@ -104,7 +104,7 @@ def deep_factors(weights: Sequence[Tensor], k: Tensor, target: Tensor) -> DeepFa
     h = k
     for w in weights[:-1]:
         pre = h @ w.transpose(-1, -2)
-        slopes.append(gelu_derivative(pre))
+        slopes.append(gelu_prime(pre))
         h = F.gelu(pre)
         inputs.append(h)
     pred = k + h @ weights[-1].transpose(-1, -2)

@@ -22,6 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from hope.layers import gelu_prime
+
 Objective = Literal["l2", "dot"]
 # Residual-ness of a memory: a bool, or a [1, G*H, 1, 1] 0/1 scale when memories with
 # and without the skip are stacked along the head axis (SMT's one-group chunk step).
@@ -33,9 +35,6 @@ def add_residual(out: Tensor, z: Tensor, residual: Residual) -> Tensor:
     if isinstance(residual, Tensor):
         return out + residual.to(z.dtype) * z
     return out + z if residual else out
-
-
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 @dataclass
@@ -71,39 +70,6 @@ class GradFactors:
     pre: Tensor  # [B, H, T, h_m]  pre-activation W2 k (the DGD preconditioner reuses it)
 
 
-def gelu_slope_reference(z: Tensor) -> Tensor:
-    """gelu'(z) = Phi(z) + z phi(z) (exact, erf GELU) from elementary ops: the test
-    twin of ``gelu_derivative``, whose backward autograd derives through each op."""
-    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-    pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
-    return cdf + z * pdf
-
-
-class _GeluSlope(torch.autograd.Function):
-    """gelu'(z) with the closed-form gelu''(z) = phi(z) (2 - z^2) as its backward.
-
-    It saves only z (already kept by the GELU itself) instead of the erf/exp
-    intermediates of the elementary-op form, and runs one backward node, not five.
-    """
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, z: Tensor) -> Tensor:
-        ctx.save_for_backward(z)
-        return gelu_slope_reference(z)  # Function.forward runs without a graph
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
-        (z,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        pdf = torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
-        return grad * pdf * (2.0 - z * z)
-
-
-def gelu_derivative(z: Tensor) -> Tensor:
-    """d/dz [z Phi(z)] = Phi(z) + z phi(z) for the exact (erf) GELU; differentiable
-    (first order) with a closed-form second derivative."""
-    return cast(Tensor, _GeluSlope.apply(z))
-
-
 def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
     """Pre-activation W2 z: w2 [B, H, h_m, d_in], z [B, H, T, d_in] -> [B, H, T, h_m]."""
     return z @ w2.transpose(-1, -2)
@@ -136,7 +102,7 @@ class _Hidden:
 
 def _hidden(w2: Tensor, k: Tensor) -> _Hidden:
     pre = mlp_hidden(w2, k)
-    return _Hidden(pre, F.gelu(pre), gelu_derivative(pre))
+    return _Hidden(pre, F.gelu(pre), gelu_prime(pre))
 
 
 def _factors(
@@ -317,7 +283,7 @@ def chunk_pass(
     pre_k = pre.split(chunk, dim=2)[1]
     act_k = act.split(chunk, dim=2)[1]
     target, pred, *read = out.split(chunk, dim=2)  # read: [M(q)] or []
-    hid = _Hidden(pre_k, act_k, gelu_derivative(pre_k))
+    hid = _Hidden(pre_k, act_k, gelu_prime(pre_k))
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
     coupling = _kernel(hid.act.detach(), hid.slope.detach(), w1.detach(), k.detach())
     return ChunkPass(target, factors, _curvature(w1, k, hid), read[0] if read else None, coupling)

@@ -16,13 +16,13 @@ Everything is sync-free: no Python branch depends on tensor values.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hope.layers import gelu_prime
 from hope.optim.newton_schulz import cubic_iteration
 
 
@@ -47,12 +47,6 @@ def erase_term(weight: Tensor, inputs: Tensor) -> Tensor:
 def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     """Batched cubic Newton–Schulz orthogonalisation of x [B, O, I] (NL "None Linear Outputs")."""
     return cubic_iteration(x, steps, eps)
-
-
-def gelu_prime(z: Tensor) -> Tensor:
-    """d/dz of exact GELU z·Φ(z): Φ(z) + z·φ(z)."""
-    cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-    return cdf + z * torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
 
 
 class InnerRule(ABC):
