@@ -52,6 +52,7 @@ def state_tensors(state: TitansState) -> dict[str, torch.Tensor]:
     out = {f"memory{i}": t for i, t in enumerate(tensor_leaves(mem.memory))}
     if mem.conv_tail is not None:
         out["conv_tail"] = mem.conv_tail
+    out |= {f"pending{i}": t for i, t in enumerate(mem.pending.parts())}
     if state.cache is not None:
         out["k"], out["v"] = state.cache.k, state.cache.v
     return out
@@ -100,6 +101,9 @@ STREAM_CASES = [(v, [4, 8, 1], ()) for v in VARIANTS] + [
     (v, [4, 4, 4, 1], ()) for v in VARIANTS
 ] + [  # token by token (chunk 1) is the plain twin of the chunked/masked one-call forward
     (v, [1] * 13, ("model.titans_chunk=1",)) for v in VARIANTS
+] + [  # off the chunk grid and token by token (a pending partial chunk); MAC continues
+    # only at segment boundaries
+    (v, splits, ()) for v in VARIANTS if v != "titans_mac" for splits in ([3, 6, 1, 3], [1] * 13)
 ] + [  # memories of depth L_M = 1 and 3 (Ti §3.1)
     ("titans_lmm", [4, 8, 1], ("model.titans_depth=1",)),
     ("titans_mac", [4, 4, 4, 1], ("model.titans_depth=3",)),
@@ -107,7 +111,7 @@ STREAM_CASES = [(v, [4, 8, 1], ()) for v in VARIANTS] + [
 
 
 @pytest.mark.parametrize(("variant", "splits", "overrides"), STREAM_CASES)
-def test_streaming_at_chunk_multiples_equals_one_call(
+def test_streaming_equals_one_call(
     variant: str, splits: list[int], overrides: tuple[str, ...]
 ) -> None:
     model = tiny_model(variant, 0, *overrides).to(DT)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hope.memory.deep_mlp import DeepFastWeights
+from hope.memory.fast_state import restore_state
 from hope.memory.residual_mlp import (
     chunk_kernel_bound,
     curvature_bound,
@@ -39,6 +42,8 @@ def _tensors(state: NeuralMemoryState) -> dict[str, torch.Tensor]:
         out = {"w1": m.w1, "w2": m.w2, "s1": m.m1, "s2": m.m2}
     if state.conv_tail is not None:
         out["tail"] = state.conv_tail
+    names = ("pending_k", "pending_v", "pending_theta", "pending_eta", "pending_alpha")
+    out |= dict(zip(names, state.pending.parts(), strict=True))
     return out
 
 
@@ -101,12 +106,41 @@ def test_batch_equals_single_runs_and_streaming_equals_one_call(depth: int):
         y_b, s_b = module(x[b : b + 1])
         torch.testing.assert_close(y[b : b + 1], y_b, rtol=0, atol=1e-12)
         _assert_states_close(state.select(slice(b, b + 1)), s_b, atol=1e-12)
-    chained, parts = module.init_state(3), []
-    for lo, hi in [(0, 8), (8, 12), (12, T)]:
-        y_part, chained = module(x[:, lo:hi], chained)
-        parts.append(y_part)
-    torch.testing.assert_close(torch.cat(parts, 1), y, rtol=0, atol=1e-12)
-    _assert_states_close(chained, state, atol=1e-12)
+    for splits in ([8, 4, T - 12], [3, 6, 1, 5, T - 15], [1] * T):  # on and off the grid
+        chained, parts = module.init_state(3), []
+        for piece in x.split(splits, dim=1):
+            y_part, chained = module(piece, chained)
+            parts.append(y_part)
+        torch.testing.assert_close(torch.cat(parts, 1), y, rtol=0, atol=1e-12)
+        _assert_states_close(chained, state, atol=1e-12)
+    assert state.pending.length == T % 4 and state.chunks_done == T // 4
+
+
+def test_a_partial_chunk_is_read_at_once_and_written_when_it_completes():
+    module, x = _module(), _x(seq=6)  # chunk 4: one chunk and 2 pending tokens
+    _, state = module(x)
+    assert state.pending.length == 2 and state.chunks_done == 1
+    _, written = module(x[:, :4])
+    same_context = dataclasses.replace(state, pending=written.pending, conv_tail=written.conv_tail)
+    _assert_states_close(same_context, written, atol=0)  # the pending tokens wrote nothing
+    _, completed = module(_x(seq=2, seed=5), state)
+    assert completed.pending.length == 0 and completed.chunks_done == 2
+    assert (completed.memory.w1 - state.memory.w1).abs().max() > 1e-6
+
+
+def test_reset_zeroes_the_pending_tokens_of_the_reset_sample_only():
+    module, x = _module(), _x(seq=6)
+    _, state = module(x)
+    fresh = module.init_state(2)
+    reset = restore_state(state, fresh, torch.tensor([True, False]))
+    for got, old in zip(reset.pending.parts(), state.pending.parts(), strict=True):
+        assert got.shape == old.shape
+        assert got[0].abs().max() == 0 and torch.equal(got[1], old[1])
+    # The reset sample reads the initial memory until its chunk completes, like a fresh
+    # context does on its first tokens.
+    y, _ = module(x[:, :2], reset)
+    y_fresh, _ = module(x[:1, :2])
+    torch.testing.assert_close(y[:1], y_fresh, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(("t", "depth"), [(3, 2), (4, 2), (10, 2), (4, 3), (10, 1)])

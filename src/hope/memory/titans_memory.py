@@ -19,8 +19,12 @@ across its tokens are applied in closed form (``ops/chunk.py``).
 Retrieval y_t = M*(q_t) (eq. 15) uses the chunk-start weights: read before
 write at chunk granularity, so y_t never depends on tokens >= its chunk start
 through the memory (strictly causal; titans-pytorch instead lets a chunk's
-last token read its own chunk's write). A partial final chunk is flushed, so
-chained calls equal one call when split points are multiples of the chunk.
+last token read its own chunk's write).
+
+Streaming: the tokens of a partial final chunk are read at once (with the weights of
+their chunk's start) and kept as a pending chunk (their keys, values and gates) that
+the next call completes and writes. So chained calls equal one call at any split,
+token by token included, in outputs and in states (tests).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from hope.memory.deep_mlp import (
     deep_momentum_write,
     naive_deep_write,
 )
+from hope.memory.fast_state import where_samples
 from hope.memory.ops.chunk import momentum_chunk_weights
 from hope.memory.ops.dispatch import compiled, momentum_write, resolve_backend
 from hope.memory.residual_mlp import (
@@ -97,17 +102,48 @@ def cap_from_kernel(kernel: Tensor, eta: Tensor, keep: Tensor) -> Tensor:
 
 
 @dataclass
+class PendingChunk:
+    """The tokens of a partial chunk: already read, written once their chunk completes."""
+
+    k: Tensor  # [B, H, P, d_h], P < chunk
+    v: Tensor  # [B, H, P, d_h]
+    theta: Tensor  # [B, H, P]
+    eta: Tensor  # [B, H, P]
+    alpha: Tensor  # [B, H, P]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def parts(self) -> tuple[Tensor, ...]:
+        return (self.k, self.v, self.theta, self.eta, self.alpha)
+
+    def select(self, index: slice) -> PendingChunk:
+        return PendingChunk(*(t[index] for t in self.parts()))
+
+    def reset_where(self, fresh: PendingChunk, reset_mask: Tensor) -> PendingChunk:
+        """Per-sample reset. The chunk phase is batch-wide, so a reset sample keeps the
+        pending length with zero keys, values and gates: zero steps (no write), zero
+        momentum carry (a fresh momentum is zero) and no decay (alpha = 0)."""
+        return PendingChunk(
+            *(where_samples(reset_mask, torch.zeros_like(t), t) for t in self.parts())
+        )
+
+
+@dataclass
 class NeuralMemoryState:
     """Per-sample fast state: weights, surprise momentum (m1/m2, or the momenta of a
-    memory of depth != 2), conv tail."""
+    memory of depth != 2), conv tail, the pending partial chunk."""
 
     memory: FastWeights | DeepFastWeights
     conv_tail: Tensor | None  # [B, W-1, 3d]
-    chunks_done: int = 0
+    pending: PendingChunk
+    chunks_done: int = 0  # chunks written so far (static, for write_grad windows)
 
     def select(self, index: slice) -> NeuralMemoryState:
         tail = None if self.conv_tail is None else self.conv_tail[index]
-        return NeuralMemoryState(self.memory.select(index), tail, self.chunks_done)
+        pending = self.pending.select(index)
+        return NeuralMemoryState(self.memory.select(index), tail, pending, self.chunks_done)
 
 
 class NeuralMemory(nn.Module):
@@ -158,7 +194,11 @@ class NeuralMemory(nn.Module):
                 f"init_state device {device} != module device {self.w_o.weight.device}"
             )
         tail = None if self.conv is None else self.conv.init_tail(batch_size)
-        return NeuralMemoryState(self.init.init_state(batch_size), tail, 0)
+        weight = self.w_o.weight
+        empty = weight.new_zeros(batch_size, self.n_heads, 0, self.d_head)
+        gates = weight.new_zeros(batch_size, self.n_heads, 0)
+        pending = PendingChunk(empty, empty.clone(), gates, gates.clone(), gates.clone())
+        return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 
     def _project(self, x: Tensor, tail: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
         """q, k, v heads [B, H, T, d_h] (Ti §4.4: SiLU, conv, L2-norm q and k)."""
@@ -183,21 +223,30 @@ class NeuralMemory(nn.Module):
         backend = resolve_backend(backend or self.backend)
         (q, k, v), tail = self._project(x, state.conv_tail)
         # [B, T, 3H] -> three [B, H, T] gates
-        theta, eta, alpha = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
+        gates = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
+        # The write stream is [pending | new]; reads are of the new tokens only.
+        held = state.pending.length
+        stream = [k, v, *gates]
+        if held:
+            stream = [
+                torch.cat((old, new), dim=2)
+                for old, new in zip(state.pending.parts(), stream, strict=True)
+            ]
+        size, total = self.cfg.chunk, held + seq
+        complete = total - total % size
         fast, chunks_done, reads = state.memory, state.chunks_done, []
-        size = self.cfg.chunk
         # backend "compile": the whole chunk step (read, curvature, factors, write) in
         # one compiled graph, its write on the plain closed form.
         step = (
             compiled(NeuralMemory._chunk_step) if backend == "compile" else NeuralMemory._chunk_step
         )
         write_backend = "torch" if backend == "compile" else backend
-        for start in range(0, seq, size):
-            span = slice(start, start + size)
+        for start in range(0, complete, size):
+            reading = slice(max(start - held, 0), start + size - held)
+            k_c, v_c, theta_c, eta_c, alpha_c = (t[:, :, start : start + size] for t in stream)
             fast, read = step(
-                self, fast, q[:, :, span], k[:, :, span], v[:, :, span], theta[:, :, span],
-                eta[:, :, span], alpha[:, :, span], write_backend,
-            )  # fmt: skip
+                self, fast, q[:, :, reading], k_c, v_c, theta_c, eta_c, alpha_c, write_backend
+            )
             reads.append(read)
             chunks_done += 1
             mode = self.cfg.write_grad
@@ -205,8 +254,11 @@ class NeuralMemory(nn.Module):
                 mode == "truncated" and chunks_done % self.cfg.write_grad_window == 0
             ):
                 fast = fast.detach()
+        if complete < total:  # the partial chunk: read now, written by a later call
+            reads.append(self.read(fast, q[:, :, max(complete - held, 0) :]))
+        pending = PendingChunk(*(t[:, :, complete:] for t in stream))
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
-        return self.w_o(out), NeuralMemoryState(fast, tail, chunks_done)
+        return self.w_o(out), NeuralMemoryState(fast, tail, pending, chunks_done)
 
     def _chunk_step(
         self,

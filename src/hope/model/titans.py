@@ -14,10 +14,11 @@ meta-learned initial state already plays the role of "memory before any token").
   o = W(N(y) * sigmoid(N(M*(y)))); x += o.
 
 Streaming: the block state is the memory state (+ the SWA KV cache of the last
-``titans_window``-1 tokens for MAG/MAL). Chained calls equal one call when every
-split point is a multiple of ``titans_chunk``: the memory flushes a partial
-chunk, so another split shifts its chunk grid (LMM/MAG/MAL accept it and compute
-that shifted, still causal, model; MAC rejects it because its segments would change).
+``titans_window``-1 tokens for MAG/MAL). The memory keeps a partial chunk pending
+until a later call completes it, so LMM/MAG/MAL calls chained at any split, token by
+token included, equal one call. MAC continues a context only at segment boundaries
+(multiples of ``titans_chunk``): its segment attention has no cache of a partial
+segment, and it refuses other splits.
 """
 
 from __future__ import annotations
