@@ -8,6 +8,7 @@ end-to-end pipeline tests share one `dvc repro` (the `dvc_repo` fixture).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -15,12 +16,14 @@ import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
 import hope
+from hope.memory.fast_state import map_tensors
 from hope.model.lm import LanguageModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +99,41 @@ def tiny_lm(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:
     )
     torch.manual_seed(seed)
     return hope.build_model(cfg.model).to(torch.float64)
+
+
+def rand_tokens(batch: int, length: int, seed: int = 1, vocab: int = TINY_VOCAB) -> torch.Tensor:
+    """Token ids [batch, length] drawn from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen)
+
+
+def state_leaves(state: Any, path: str = "state") -> list[tuple[str, Any]]:
+    """Every leaf of a nested state (tensors and static ints alike), with its path."""
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        fields = dataclasses.fields(state)
+        return [x for f in fields for x in state_leaves(getattr(state, f.name), f"{path}.{f.name}")]
+    if isinstance(state, (list, tuple)):
+        return [x for i, item in enumerate(state) for x in state_leaves(item, f"{path}[{i}]")]
+    if isinstance(state, dict):
+        return [x for k, item in state.items() for x in state_leaves(item, f"{path}[{k!r}]")]
+    return [(path, state)]
+
+
+def assert_states_close(a: Any, b: Any, atol: float) -> None:
+    """Same structure, same static counts, tensors equal to ``atol`` (shapes included)."""
+    left, right = state_leaves(a), state_leaves(b)
+    assert [p for p, _ in left] == [p for p, _ in right]
+    for (path, x), (_, y) in zip(left, right, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.shape == y.shape, path
+            torch.testing.assert_close(x, y, rtol=0, atol=atol, msg=path)
+        else:
+            assert x == y, (path, x, y)
+
+
+def select_samples(state: Any, index: slice) -> Any:
+    """The state of samples ``index`` (every tensor leaf has a leading batch axis)."""
+    return map_tensors(state, lambda t: t[index])
 
 
 def set_params(repo: Path, values: Mapping[tuple[str, str], object]) -> None:

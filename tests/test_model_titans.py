@@ -66,7 +66,8 @@ def assert_states_close(a: TitansState, b: TitansState, atol: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("variant", "depth"), [(v, 2) for v in VARIANTS] + [("titans_mac", 1), ("titans_lmm", 4)]
+    ("variant", "depth"),
+    [("titans_mac", 1), ("titans_lmm", 4)],  # depth 2: test_streaming.py
 )
 def test_perturbing_later_tokens_leaves_earlier_logits_unchanged(variant: str, depth: int) -> None:
     model = tiny_model(variant, 0, f"model.titans_depth={depth}").to(DT)
@@ -80,34 +81,12 @@ def test_perturbing_later_tokens_leaves_earlier_logits_unchanged(variant: str, d
         assert (logits_p[:, t + 1 :] - logits[:, t + 1 :]).abs().amax(-1).min() > 1e-6
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_batch_equals_independent_single_runs(variant: str) -> None:
-    model = tiny_model(variant).to(DT)
-    x = tokens(3, 13)
-    batched, state = model(x)
-    for b in range(3):
-        single, single_state = model(x[b : b + 1])
-        torch.testing.assert_close(batched[b : b + 1], single, rtol=0, atol=1e-12)
-        for whole, one in zip(state.blocks, single_state.blocks, strict=True):
-            cache = whole.cache
-            picked = TitansState(
-                whole.memory.select(slice(b, b + 1)),
-                None if cache is None else type(cache)(cache.k[b : b + 1], cache.v[b : b + 1]),
-            )
-            assert_states_close(picked, one, atol=1e-12)
-
-
-STREAM_CASES = [(v, [4, 8, 1], ()) for v in VARIANTS] + [
-    (v, [4, 4, 4, 1], ()) for v in VARIANTS
-] + [  # token by token (chunk 1) is the plain twin of the chunked/masked one-call forward
-    (v, [1] * 13, ("model.titans_chunk=1",)) for v in VARIANTS
-] + [  # off the chunk grid and token by token (a pending partial chunk); MAC continues
-    # only at segment boundaries
-    (v, splits, ()) for v in VARIANTS if v != "titans_mac" for splits in ([3, 6, 1, 3], [1] * 13)
-] + [  # memories of depth L_M = 1 and 3 (Ti §3.1)
-    ("titans_lmm", [4, 8, 1], ("model.titans_depth=1",)),
+# Default depth at every split: test_streaming.py. Here: token by token at chunk 1 (the
+# plain twin of the chunked one-call forward) and memories of depth L_M = 1 and 3.
+STREAM_CASES = [(v, [1] * 13, ("model.titans_chunk=1",)) for v in VARIANTS] + [
+    ("titans_lmm", [3, 6, 1, 3], ("model.titans_depth=1",)),
     ("titans_mac", [4, 4, 4, 1], ("model.titans_depth=3",)),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("variant", "splits", "overrides"), STREAM_CASES)

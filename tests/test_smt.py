@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from hope.memory.conv import CausalDepthwiseConv
+from hope.memory.fast_state import restore_state
 from hope.memory.residual_mlp import mlp_apply
-from hope.memory.smt import SelfModifyingTitans, SMTState
+from hope.memory.smt import SelfModifyingTitans
+from hope.memory.smt_state import SMTState
 from hope.model.config import ModelConfig
 
 DT = torch.float64
@@ -49,6 +51,9 @@ def _state_tensors(state: SMTState) -> dict[str, torch.Tensor]:
     }
     if state.conv_tail is not None:
         out["conv_tail"] = state.conv_tail
+    for buffer in ("partial", "mem_pending"):
+        pending = getattr(state, buffer)
+        out |= {f"{buffer}.{f.name}": getattr(pending, f.name) for f in dataclasses.fields(pending)}
     return out
 
 
@@ -94,15 +99,47 @@ def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
         torch.testing.assert_close(g, g_naive[name], rtol=0, atol=1e-10, msg=name)
 
 
-def test_streaming_equals_one_call_at_mem_chunk_splits():
-    module, x = _module(), _x()
+@pytest.mark.parametrize(
+    "splits",
+    [[6, 6, 1], [4, 1, 2, 5, 1], [1] * T],  # on the C_m grid, off every grid, token by token
+)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"smt_chunk": 3, "smt_mem_chunk": 3},
+        {"smt_adaptive_q": True, "smt_checkpoint_chunks": 1},
+    ],
+)
+def test_streaming_equals_one_call(splits, overrides):
+    module, x = _module(**overrides), _x()
     y_one, s_one = module(x)
     state, parts = module.init_state(2), []
-    for lo, hi in [(0, 6), (6, 12), (12, T)]:
-        y, state = module(x[:, lo:hi], state)
+    for piece in x.split(splits, dim=1):
+        y, state = module(piece, state)
         parts.append(y)
     torch.testing.assert_close(torch.cat(parts, dim=1), y_one, rtol=0, atol=1e-12)
     _assert_states_close(state, s_one, atol=1e-12)
+    c_o, c_m = module.cfg.chunk, module.cfg.mem_chunk
+    assert s_one.partial.length == T % c_o and s_one.chunks_done == T // c_o
+    assert s_one.mem_pending.length == (T - T % c_o) % c_m
+
+
+def test_reset_makes_the_pending_tokens_of_the_reset_sample_write_nothing():
+    module, x = _module(), _x()
+    _, state = module(x[:, :5])  # C_o = 3, C_m = 6: 2 partial tokens, 3 awaiting M_mem
+    reset = restore_state(state, module.init_state(2), torch.tensor([True, False]))
+    for buffer in ("partial", "mem_pending"):
+        got, old = getattr(reset, buffer), getattr(state, buffer)
+        assert torch.equal(got.k[1], old.k[1]) and got.k[0].abs().max() == 0
+        assert torch.equal(got.alpha[0], torch.ones_like(got.alpha[0]))
+    # The reset sample now writes only its new tokens: from the fresh state, as a
+    # fresh context does, and reads the initial memories until its chunks complete.
+    y, after = module(x[:, 5:7], reset)
+    y_fresh, _ = module(x[:1, 5:6])
+    torch.testing.assert_close(y[:1, :1], y_fresh, rtol=0, atol=1e-12)
+    init = module.init_state(1)
+    assert (after.memories["k"].w1[:1] - init.memories["k"].w1).abs().max() > 1e-6
 
 
 def test_batch_equals_single_runs():
@@ -272,7 +309,7 @@ def test_compiled_chunk_step_equals_eager(overrides):
     _assert_same_run(_run_with_grads(module, x, "compile"), _run_with_grads(module, x, "torch"))
 
 
-def test_chunk_at_least_sequence_gives_no_write_outputs_but_flushes():
+def test_chunk_at_least_sequence_reads_the_initial_memory_and_keeps_every_token_pending():
     module = _module(smt_chunk=16, smt_mem_chunk=16)
     x = _x()
     y, state = module(x)
@@ -283,7 +320,12 @@ def test_chunk_at_least_sequence_gives_no_write_outputs_but_flushes():
     mem0 = init.memories["mem"]
     y_ref = module.w_o(mlp_apply(mem0.w1, mem0.w2, q, True).transpose(1, 2).reshape(2, T, 8))
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-13)
-    assert (state.memories["mem"].w1 - mem0.w1).abs().max() > 1e-6  # partial chunk flushed
+    assert state.partial.length == T and state.chunks_done == 0
+    for name, mem in state.memories.items():
+        assert torch.equal(mem.w1, init.memories[name].w1), name
+    _, completed = module(_x(seq=16 - T, seed=3), state)  # completes the chunk: one write
+    assert completed.partial.length == 0 and completed.chunks_done == 1
+    assert (completed.memories["mem"].w1 - mem0.w1).abs().max() > 1e-6
 
 
 def test_fixed_q_has_no_query_memory_and_adaptive_q_writes_it():

@@ -397,14 +397,6 @@ def _validate(cfg: Config) -> None:
             f"model.smt_checkpoint_chunks={m.smt_checkpoint_chunks} must be >= 0",
         ),
         (
-            m.variant != "hope"
-            or m.cms_mode != "exact_online"
-            or (bool(m.cms_periods) and m.cms_periods[0] % m.smt_mem_chunk == 0),
-            f"model.cms_periods[0]={m.cms_periods[:1]} must be a multiple of "
-            f"model.smt_mem_chunk={m.smt_mem_chunk} for variant hope with "
-            "cms_mode=exact_online (it streams the self-modifying Titans in C1-token calls)",
-        ),
-        (
             not (m.cms_adaptive_lr and m.cms_mode == "static"),
             "model.cms_adaptive_lr=true needs a cms_mode that writes in training "
             "(teach_pass or exact_online): a static level never trains its rate gate",

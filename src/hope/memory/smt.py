@@ -11,9 +11,11 @@ parameters. Per chunk of C_o tokens, with the chunk-start states:
   v_hat_m = M_m(v); DGD write of every memory m          (eqs. 84, 88)
 
 M_mem is written every C_m tokens (a multiple of C_o) from its own C_m-chunk
-start state; the others every C_o tokens. A partial final chunk is flushed at
-the end of every call, so chained calls equal one call when every split point
-is a multiple of C_m (other splits flush early and differ).
+start state; the others every C_o tokens. Streaming: the tokens of a partial C_o
+chunk are generated and read at once (with their chunk's start states) and kept
+pending, as are the C_o chunks since M_mem's last write; a later call completes
+and writes them. So chained calls equal one call at any split, token by token
+included, in outputs and in states.
 
 Outer gradients (``write_grad``): ``full`` keeps every write in the graph, so
 all initial states, W_q, the conv, b_alpha and W_o are meta-learned (Ti-style);
@@ -47,59 +49,16 @@ from hope.memory.residual_mlp import (
     mlp_apply,
     overshoot_ratio,
 )
-
-
-@dataclass
-class SMTState:
-    """Per-sample fast state of one SMT layer (tensors have a leading B)."""
-
-    memories: dict[str, FastWeights]
-    conv_tail: Tensor | None  # [B, W-1, d]
-    chunks_done: int = 0  # C_o chunks written so far (a static count, for truncation)
-
-    def select(self, index: slice) -> SMTState:
-        tail = None if self.conv_tail is None else self.conv_tail[index]
-        mems = {n: m.select(index) for n, m in self.memories.items()}
-        return SMTState(mems, tail, self.chunks_done)
-
-
-@dataclass
-class _Generated:
-    """Chunk-start generation of one C_o chunk (NL-arXiv eq. 83)."""
-
-    k: Tensor  # [B, H, C, d_h]
-    v: Tensor  # [B, H, C, d_h]
-    q: Tensor  # [B, H, C, d_h]
-    eta: Tensor  # [B, H, C]
-    alpha: Tensor  # [B, H, C]
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Memories whose fast weights are stacked along the head axis, [B, G*H, ...].
-
-    Members share each chunk's k, v, eta, alpha, so one batched call serves all of
-    them. Stacked W1 rows are padded with zeros to the widest member: the padded
-    outputs and targets are 0, so their error is 0 and the rows stay 0 (exact).
-    M_mem, when present, is the last member.
-    """
-
-    names: tuple[str, ...]
-    residuals: tuple[bool, ...]  # per member: M(z) = z + W1 gelu(W2 z)?
-    outs: tuple[int, ...]  # per member d_out
-
-    @property
-    def key(self) -> str:
-        return "+".join(self.names)
-
-    @property
-    def width(self) -> int:
-        return max(self.outs)
-
-    @property
-    def generators(self) -> tuple[str, ...]:
-        """Members that generate k, v, q, eta, alpha (eq. 83): all but M_mem."""
-        return tuple(n for n in self.names if n != "mem")
+from hope.memory.smt_state import (
+    Generated,
+    MemoryGroup,
+    SMTState,
+    detach_generated,
+    join_generated,
+    repeat_heads,
+    stack_group,
+    unstack_group,
+)
 
 
 def _validate(cfg: SMTConfig) -> None:
@@ -175,18 +134,25 @@ class SelfModifyingTitans(nn.Module):
     def init_state(self, batch_size: int, device: torch.device | str | None = None) -> SMTState:
         mems = {n: cast(MemoryInit, init).init_state(batch_size) for n, init in self.inits.items()}
         tail = None if self.conv is None else self.conv.init_tail(batch_size)
-        state = SMTState(mems, tail, 0)
+        state = SMTState(mems, tail, self._no_tokens(batch_size), self._no_tokens(batch_size), 0)
         if device is not None and torch.device(device) != self.alpha_bias.device:
             raise ValueError(
                 f"init_state device {device} != module device {self.alpha_bias.device}"
             )
         return state
 
-    def _group(self, names: tuple[str, ...]) -> _Group:
-        outs = tuple(self._outs[n] for n in names)
-        return _Group(names, tuple(d == self.d_head for d in outs), outs)
+    def _no_tokens(self, batch_size: int) -> Generated:
+        """An empty pending buffer (zero tokens)."""
+        weight = self.alpha_bias
+        vec = weight.new_zeros(batch_size, self.n_heads, 0, self.d_head)
+        gate = weight.new_zeros(batch_size, self.n_heads, 0)
+        return Generated(vec, vec.clone(), vec.clone(), gate, gate.clone())
 
-    def _plan(self, backend: str) -> tuple[_Group, ...]:
+    def _group(self, names: tuple[str, ...]) -> MemoryGroup:
+        outs = tuple(self._outs[n] for n in names)
+        return MemoryGroup(names, tuple(d == self.d_head for d in outs), outs)
+
+    def _plan(self, backend: str) -> tuple[MemoryGroup, ...]:
         """How the memories are stacked for one chunk step.
 
         The naive oracle keeps one group per memory (eq. 88 read literally). The
@@ -202,7 +168,7 @@ class SelfModifyingTitans(nn.Module):
             return (self._group((*every_chunk, "mem")),)
         return (self._group(every_chunk), self._group(("mem",)))
 
-    def _residual(self, group: _Group) -> Residual:
+    def _residual(self, group: MemoryGroup) -> Residual:
         """The members' residual flag: a bool when they agree, else a 0/1 scale over
         their stacked heads."""
         names, flags = group.names, group.residuals
@@ -216,14 +182,14 @@ class SelfModifyingTitans(nn.Module):
         return scale.repeat_interleave(self.n_heads).view(1, -1, 1, 1)
 
     def _apply_members(
-        self, fast: FastWeights, group: _Group, members: tuple[str, ...], z: Tensor
+        self, fast: FastWeights, group: MemoryGroup, members: tuple[str, ...], z: Tensor
     ) -> dict[str, Tensor]:
         """M_m(z) for ``members`` of a stacked group; z [B, H, C, d_h].
 
         Every member is evaluated: slicing the stacked state to a subset makes bmm
         copy it, which costs more than the one spare member (M_mem during the
         generation): SMT fwd+bwd 4-6 % faster at the tiny and smoke shapes."""
-        out = mlp_apply(fast.w1, fast.w2, _repeat_heads(z, len(group.names)), self._residual(group))
+        out = mlp_apply(fast.w1, fast.w2, repeat_heads(z, len(group.names)), self._residual(group))
         parts = dict(zip(group.names, out.split(self.n_heads, dim=1), strict=True))
         return {m: parts[m][..., : self._outs[m]] for m in members}
 
@@ -231,9 +197,9 @@ class SelfModifyingTitans(nn.Module):
         self,
         stacks: dict[str, FastWeights],
         xc: Tensor,
-        plan: tuple[_Group, ...] | None = None,
+        plan: tuple[MemoryGroup, ...] | None = None,
         writes_need_grad: bool = True,
-    ) -> _Generated:
+    ) -> Generated:
         """Eq. 83 with the chunk-start states. ``stacks`` maps each group's key to
         its stacked state; the default (per-memory) plan takes the memories dict.
         ``writes_need_grad=False``: k, v, eta, alpha feed only writes whose graph is
@@ -255,9 +221,9 @@ class SelfModifyingTitans(nn.Module):
             eta = self.cfg.eta_scale * F.softplus(raw["eta"].squeeze(-1))
             alpha = torch.sigmoid(raw["alpha"].squeeze(-1) + self.alpha_bias[:, None])
         query = raw["q"] if self.w_q is None else xc @ self.w_q
-        return _Generated(k, v, F.normalize(query, dim=-1), eta, alpha)
+        return Generated(k, v, F.normalize(query, dim=-1), eta, alpha)
 
-    def _read(self, fast: FastWeights, group: _Group, q: Tensor) -> Tensor:
+    def _read(self, fast: FastWeights, group: MemoryGroup, q: Tensor) -> Tensor:
         """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
         heads = self.n_heads
         first = (len(group.names) - 1) * heads
@@ -280,19 +246,24 @@ class SelfModifyingTitans(nn.Module):
         return eta / (1.0 + rho.unsqueeze(-1))
 
     def _write(
-        self, fast: FastWeights, group: _Group, gen: _Generated, backend: str, read: bool = False
+        self,
+        fast: FastWeights,
+        group: MemoryGroup,
+        gen: Generated,
+        backend: str,
+        read: bool = False,
     ) -> tuple[FastWeights, Tensor | None]:
         """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha.
         ``read``: also o = M_mem(q) from the same chunk-start state (read before write)."""
         n = len(group.names)
-        k, v, eta, alpha = (_repeat_heads(t, n) for t in (gen.k, gen.v, gen.eta, gen.alpha))
+        k, v, eta, alpha = (repeat_heads(t, n) for t in (gen.k, gen.v, gen.eta, gen.alpha))
         residual = self._residual(group)
         # v_hat = M(v) with each member's chunk-start state (eq. 84): a constant of the
         # inner gradient (the factors treat it so) but in the outer graph, M_v's only
         # path to the loss. The curvature differs per member, so each solves its own
         # C x C system.
         step = chunk_pass(
-            fast.w1, fast.w2, v, k, _repeat_heads(gen.q, n) if read else None,
+            fast.w1, fast.w2, v, k, repeat_heads(gen.q, n) if read else None,
             self.cfg.objective, residual,
         )  # fmt: skip
         new = dgd_write(
@@ -307,7 +278,7 @@ class SelfModifyingTitans(nn.Module):
         return new, step.read[:, (n - 1) * self.n_heads :]
 
     def _write_all(
-        self, stacks: dict[str, FastWeights], loop: _Loop, gen: _Generated, keep: bool
+        self, stacks: dict[str, FastWeights], loop: _Loop, gen: Generated, keep: bool
     ) -> Tensor:
         """C_o = C_m: write every group (in place in ``stacks``) and return the chunk's
         read o = M_mem(q) at the chunk-start state. With the graph kept, the read rides
@@ -351,10 +322,23 @@ class SelfModifyingTitans(nn.Module):
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
         plan = self._plan(backend)
         loop = _Loop.build(plan, backend, seq, pieces)
-        carry = _Carry({g.key: _stack(state.memories, g) for g in plan}, [], 0, state.chunks_done)
-        c_o = self.cfg.chunk
-        # One split (a cheap backward), not T/C slices.
-        chunks = list(zip(range(0, seq, c_o), heads.split(c_o, dim=2), strict=True))
+        mem_pending = [state.mem_pending] if state.mem_pending.length else []
+        partial = state.partial if state.partial.length else None
+        carry = _Carry(
+            {g.key: stack_group(state.memories, g) for g in plan}, mem_pending,
+            state.mem_pending.length, state.chunks_done, partial,
+        )  # fmt: skip
+        # The first chunk completes the pending partial one. One split (a cheap
+        # backward), not T/C slices.
+        c_o, held = self.cfg.chunk, state.partial.length
+        first = min(c_o - held, seq)
+        sizes = (
+            [first]
+            + [c_o] * ((seq - first) // c_o)
+            + ([(seq - first) % c_o] if (seq - first) % c_o else [])
+        )
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        chunks = list(zip(starts, heads.split(sizes, dim=2), strict=True))
         span = self.cfg.checkpoint_chunks
         reads: list[Tensor] = []
         if span and pieces is None and torch.is_grad_enabled():
@@ -371,8 +355,14 @@ class SelfModifyingTitans(nn.Module):
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         mems: dict[str, FastWeights] = {}
         for group in plan:
-            mems |= _unstack(carry.stacks[group.key], group, self.n_heads)
-        return self.w_o(out), SMTState({n: mems[n] for n in self.inits}, tail, carry.chunks_done)
+            mems |= unstack_group(carry.stacks[group.key], group, self.n_heads)
+        new_state = SMTState(
+            {n: mems[n] for n in self.inits}, tail,
+            carry.partial if carry.partial is not None else self._no_tokens(batch),
+            join_generated(carry.pending) if carry.pending else self._no_tokens(batch),
+            carry.chunks_done,
+        )  # fmt: skip
+        return self.w_o(out), new_state
 
     def _run_chunks(
         self, start: _Carry, chunks: list[tuple[int, Tensor]], loop: _Loop
@@ -388,7 +378,9 @@ class SelfModifyingTitans(nn.Module):
         pieces, plan, flush, backend = loop.pieces, loop.plan, loop.flush, loop.backend
         if pieces is not None and pieces.piece_of(carry.live_from) != pieces.piece_of(start):
             carry.stacks = {key: m.detach() for key, m in carry.stacks.items()}
-            carry.pending = [_detach_generated(g) for g in carry.pending]
+            carry.pending = [detach_generated(g) for g in carry.pending]
+            if carry.partial is not None:
+                carry.partial = detach_generated(carry.partial)
             carry.live_from = start
         stop = start + xc.shape[2]
         # In pass A a write whose result is cut before anything reads it needs no
@@ -397,14 +389,21 @@ class SelfModifyingTitans(nn.Module):
             stop < loop.seq and pieces.piece_of(carry.live_from) == pieces.piece_of(stop)
         )
         stacks = carry.stacks
-        gen = loop.generate(self, stacks, xc, plan, keep)
+        fresh = loop.generate(self, stacks, xc, plan, keep)
+        held = carry.partial
+        gen = fresh if held is None else join_generated([held, fresh])
+        if gen.length < self.cfg.chunk:  # read now; written once a later call completes it
+            carry.partial = gen
+            return self._read(stacks[flush.key], flush, fresh.q)
+        carry.partial = None
         if self.cfg.chunk == self.cfg.mem_chunk:  # every group written every chunk
             read = self._write_all(stacks, loop, gen, keep)
+            read = read if held is None else read[:, :, held.length :]
         else:
-            read = self._read(stacks[flush.key], flush, gen.q)  # read before write
+            read = self._read(stacks[flush.key], flush, fresh.q)  # read before write
             carry.pending.append(gen)
             carry.pending_len += gen.k.shape[2]
-            flush_now = carry.pending_len == self.cfg.mem_chunk or stop >= loop.seq
+            flush_now = carry.pending_len == self.cfg.mem_chunk
             with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
                 for group in plan:
                     if group is not flush:
@@ -413,7 +412,7 @@ class SelfModifyingTitans(nn.Module):
                         )[0]
                 if flush_now:  # M_mem: the C_o chunks since its last write as one
                     pending = carry.pending
-                    joined = pending[0] if len(pending) == 1 else _join(pending)
+                    joined = pending[0] if len(pending) == 1 else join_generated(pending)
                     stacks[flush.key] = loop.write(self, stacks[flush.key], flush, joined, backend)[
                         0
                     ]
@@ -430,18 +429,18 @@ class SelfModifyingTitans(nn.Module):
 class _Loop:
     """What every chunk step of one forward call shares."""
 
-    plan: tuple[_Group, ...]
-    flush: _Group  # the group holding M_mem, written every C_m tokens
+    plan: tuple[MemoryGroup, ...]
+    flush: MemoryGroup  # the group holding M_mem, written every C_m tokens
     backend: str  # of each write; "torch" inside a compiled step
     seq: int
     pieces: PieceGrid | None
     # SelfModifyingTitans._generate / ._write, or their torch.compile'd forms
-    generate: Callable[..., _Generated]
+    generate: Callable[..., Generated]
     write: Callable[..., tuple[FastWeights, Tensor | None]]
 
     @classmethod
     def build(
-        cls, plan: tuple[_Group, ...], backend: str, seq: int, pieces: PieceGrid | None
+        cls, plan: tuple[MemoryGroup, ...], backend: str, seq: int, pieces: PieceGrid | None
     ) -> _Loop:
         flush = next(g for g in plan if "mem" in g.names)
         if backend != "compile":
@@ -461,59 +460,14 @@ class _Carry:
     """What the chunk loop carries from one C_o chunk to the next."""
 
     stacks: dict[str, FastWeights]  # each group's stacked state, by group key
-    pending: list[_Generated]  # C_o chunks generated since M_mem's last write
+    pending: list[Generated]  # C_o chunks generated since M_mem's last write
     pending_len: int
     chunks_done: int  # C_o chunks written so far (truncation windows)
+    partial: Generated | None  # a partial C_o chunk (read, written once complete)
     live_from: int = 0  # pass A: first token whose contributions the memories hold in graph
 
     def copy(self) -> _Carry:
         return _Carry(
             dict(self.stacks), list(self.pending), self.pending_len, self.chunks_done,
-            self.live_from,
+            self.partial, self.live_from,
         )  # fmt: skip
-
-
-_FIELDS = ("k", "v", "q", "eta", "alpha")
-
-
-def _join(pending: list[_Generated]) -> _Generated:
-    """The C_o chunks since M_mem's last write as one C_m chunk."""
-    return _Generated(*(torch.cat([getattr(g, f) for g in pending], dim=2) for f in _FIELDS))
-
-
-def _detach_generated(gen: _Generated) -> _Generated:
-    return _Generated(*(getattr(gen, f).detach() for f in _FIELDS))
-
-
-def _repeat_heads(t: Tensor, n: int) -> Tensor:
-    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
-    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
-
-
-def _stack(mems: dict[str, FastWeights], group: _Group) -> FastWeights:
-    """Members' states concatenated along the head axis: [B, G*H, ...], W1 and m1
-    padded with zero rows to the group's widest d_out."""
-    if len(group.names) == 1:
-        return mems[group.names[0]]
-    parts = [mems[n] for n in group.names]
-
-    def rows(t: Tensor) -> Tensor:
-        return F.pad(t, (0, 0, 0, group.width - t.shape[-2]))
-
-    return FastWeights(
-        torch.cat([rows(p.w1) for p in parts], dim=1),
-        torch.cat([p.w2 for p in parts], dim=1),
-        torch.cat([rows(p.m1) for p in parts], dim=1),
-        torch.cat([p.m2 for p in parts], dim=1),
-    )
-
-
-def _unstack(fast: FastWeights, group: _Group, n_heads: int) -> dict[str, FastWeights]:
-    if len(group.names) == 1:
-        return {group.names[0]: fast}
-    pieces = [t.split(n_heads, dim=1) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
-    out = {}
-    for i, (name, d_out) in enumerate(zip(group.names, group.outs, strict=True)):
-        w1, w2, m1, m2 = (p[i] for p in pieces)
-        out[name] = FastWeights(w1[..., :d_out, :], w2, m1[..., :d_out, :], m2)
-    return out

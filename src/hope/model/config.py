@@ -86,8 +86,8 @@ class ModelConfig:
 
     # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
     # Tiny uses C_o = C_m = 16 (Python-level chunk loop cost on CPU); the paper-scale
-    # presets use 8/16. With cms_mode = exact_online, cms_periods[0] must be a
-    # multiple of smt_mem_chunk (it streams the SMT in C1-token calls).
+    # presets use 8/16. The SMT streams at any split (pending chunks), so they need
+    # not divide the CMS periods.
     smt_chunk: int = 16
     smt_mem_chunk: int = 16
     smt_expansion: int = 2

@@ -25,7 +25,6 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from hope.errors import ConfigError
 from hope.layers import RMSNorm
 from hope.memory.cms import CMS
 from hope.memory.cms_state import LevelState
@@ -212,13 +211,4 @@ def build_hope_attention(cfg: ModelConfig) -> LanguageModel:
 
 
 def build_hope(cfg: ModelConfig) -> LanguageModel:
-    # exact_online streams the call in C1-token calls; the streamed SMT equals the
-    # one-call SMT (the read path's) only if C1 is a multiple of C_m.
-    c1 = cfg.cms_periods[0] if cfg.cms_periods else 0
-    if cfg.cms_mode == "exact_online" and (c1 < 1 or c1 % cfg.smt_mem_chunk != 0):
-        raise ConfigError(
-            f"model.cms_periods[0]={c1} must be a multiple of model.smt_mem_chunk="
-            f"{cfg.smt_mem_chunk} for variant 'hope' with cms_mode={cfg.cms_mode!r} "
-            f"(got model.cms_periods={cfg.cms_periods})"
-        )
     return _hope_model(cfg, SMTMixer)

@@ -38,7 +38,7 @@ from torch import Tensor
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
-from hope.memory.smt import SMTState
+from hope.memory.smt_state import SMTState
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
 from hope.model.hope import HopeBlock, HopeBlockState, HopeLM, SMTMixer
@@ -60,11 +60,11 @@ class MemorizeConfig:
     surprise_threshold: τ of the CMS surprise gate (MECHANISMS §4) during memorisation;
         None = the model's own. SMT and Titans writes use no teach signal and no gate.
     online_chunk_size: tokens per ``forward_teach`` call; None = the model's grid (the
-        smallest CMS period, lcm with the SMT memory chunk for ``hope``; the Titans
-        chunk; else 16). At that grid, memorising a HOPE model is the online oracle
-        (``exact_online``: every C1 piece read with the Δ written so far, MECHANISMS
-        §8.3); a multiple of it runs ``teach_pass`` per chunk (δ from the chunk-start
-        weights); other sizes are still causal but shift the chunk grids.
+        smallest CMS period; the Titans chunk; else 16). At that grid, memorising a
+        HOPE model is the online oracle (``exact_online``: every C1 piece read with the
+        Δ written so far, MECHANISMS §8.3); a multiple of it runs ``teach_pass`` per
+        chunk (δ from the chunk-start weights); other sizes are still causal but shift
+        the chunk grids.
     steps: passes over the text. steps > 1 is the non-causal "batch mode" for
         memorise-then-query tasks: every pass re-reads the text from the *starting
         context* (KV cache, conv tails, pending CMS tokens, position) and carries only
@@ -136,9 +136,8 @@ def available_paths(model: LanguageModel) -> tuple[str, ...]:
 def default_chunk_size(model: LanguageModel) -> int:
     """The model's own grid: chained calls split on it equal one call."""
     block, cfg = model.blocks[0], model.cfg
-    if isinstance(block, HopeBlock):
-        first = cfg.cms_periods[0]
-        return math.lcm(first, cfg.smt_mem_chunk) if isinstance(block.mixer, SMTMixer) else first
+    if isinstance(block, HopeBlock):  # C1: the SMT streams at any split
+        return cfg.cms_periods[0]
     if isinstance(getattr(block, "memory", None), NeuralMemory):  # every Titans block
         return cfg.titans_chunk
     return 16

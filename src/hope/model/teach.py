@@ -27,8 +27,8 @@ is a multiple of it, so every level boundary lies on the C1 grid.
     it, and under streaming or repeated memorisation δ sees what a level has already
     written (reading θ0 there would let the dot objective grow Δ without bound).
 
-``exact_online`` (the oracle, MECHANISMS §8.3a; SMT needs C1 on its C_m grid, since
-every piece is a call of its own): per piece, forward with the carried
+``exact_online`` (the oracle, MECHANISMS §8.3a; every piece is a call of its own, and
+the SMT streams exactly at any split): per piece, forward with the carried
 states (mixer state not detached, so meta gradients flow as in one call), read with
 the current Δ, δ = autograd.grad(piece loss, this piece's taps), then write.
 """

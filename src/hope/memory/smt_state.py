@@ -1,0 +1,150 @@
+"""The state of a self-modifying Titans layer and how its memories are stacked.
+
+``SMTState`` is the per-sample fast state (``memory/smt.py``); ``Generated`` the
+chunk-start generation of a run of tokens (NL-arXiv eq. 83), kept pending between
+calls until its chunk completes. A ``MemoryGroup`` is a set of memories written at
+the same times from the same chunk, stacked along the head axis so one batched MLP
+call serves them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from hope.memory.fast_state import where_samples
+from hope.memory.residual_mlp import FastWeights
+
+
+@dataclass
+class Generated:
+    """Chunk-start generation of C tokens (NL-arXiv eq. 83)."""
+
+    k: Tensor  # [B, H, C, d_h]
+    v: Tensor  # [B, H, C, d_h]
+    q: Tensor  # [B, H, C, d_h]
+    eta: Tensor  # [B, H, C]
+    alpha: Tensor  # [B, H, C]
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def select(self, index: slice) -> Generated:
+        return Generated(*(getattr(self, f)[index] for f in FIELDS))
+
+    def reset_where(self, fresh: Generated, reset_mask: Tensor) -> Generated:
+        """Per-sample reset of pending tokens. The chunk phase is batch-wide, so a reset
+        sample keeps the pending length with neutral tokens: zero key, value and step
+        (eta), retention alpha = 1, so they write nothing."""
+
+        def neutral(t: Tensor, value: float) -> Tensor:
+            return where_samples(reset_mask, torch.full_like(t, value), t)
+
+        return Generated(
+            neutral(self.k, 0.0), neutral(self.v, 0.0), neutral(self.q, 0.0),
+            neutral(self.eta, 0.0), neutral(self.alpha, 1.0),
+        )  # fmt: skip
+
+
+@dataclass
+class SMTState:
+    """Per-sample fast state of one SMT layer (tensors have a leading B)."""
+
+    memories: dict[str, FastWeights]
+    conv_tail: Tensor | None  # [B, W-1, d]
+    partial: Generated  # the tokens of a partial C_o chunk (read, not yet written)
+    mem_pending: Generated  # complete C_o chunks since M_mem's last write
+    chunks_done: int = 0  # C_o chunks written so far (a static count, for truncation)
+
+    def select(self, index: slice) -> SMTState:
+        tail = None if self.conv_tail is None else self.conv_tail[index]
+        mems = {n: m.select(index) for n, m in self.memories.items()}
+        return SMTState(
+            mems, tail, self.partial.select(index), self.mem_pending.select(index),
+            self.chunks_done,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MemoryGroup:
+    """Memories whose fast weights are stacked along the head axis, [B, G*H, ...].
+
+    Members share each chunk's k, v, eta, alpha, so one batched call serves all of
+    them. Stacked W1 rows are padded with zeros to the widest member: the padded
+    outputs and targets are 0, so their error is 0 and the rows stay 0 (exact).
+    M_mem, when present, is the last member.
+    """
+
+    names: tuple[str, ...]
+    residuals: tuple[bool, ...]  # per member: M(z) = z + W1 gelu(W2 z)?
+    outs: tuple[int, ...]  # per member d_out
+
+    @property
+    def key(self) -> str:
+        return "+".join(self.names)
+
+    @property
+    def width(self) -> int:
+        return max(self.outs)
+
+    @property
+    def generators(self) -> tuple[str, ...]:
+        """Members that generate k, v, q, eta, alpha (eq. 83): all but M_mem."""
+        return tuple(n for n in self.names if n != "mem")
+
+
+FIELDS = ("k", "v", "q", "eta", "alpha")
+
+
+def join_generated(pending: list[Generated]) -> Generated:
+    """The C_o chunks since M_mem's last write as one C_m chunk."""
+    return Generated(*(torch.cat([getattr(g, f) for g in pending], dim=2) for f in FIELDS))
+
+
+def chunk_sizes(seq: int, chunk: int, held: int) -> list[int]:
+    """Token counts of a call's C_o chunks when ``held`` tokens of the first are pending."""
+    first = min(chunk - held, seq)
+    full, rest = divmod(seq - first, chunk)
+    return [first] + [chunk] * full + ([rest] if rest else [])
+
+
+def detach_generated(gen: Generated) -> Generated:
+    return Generated(*(getattr(gen, f).detach() for f in FIELDS))
+
+
+def repeat_heads(t: Tensor, n: int) -> Tensor:
+    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
+    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
+
+
+def stack_group(mems: dict[str, FastWeights], group: MemoryGroup) -> FastWeights:
+    """Members' states concatenated along the head axis: [B, G*H, ...], W1 and m1
+    padded with zero rows to the group's widest d_out."""
+    if len(group.names) == 1:
+        return mems[group.names[0]]
+    parts = [mems[n] for n in group.names]
+
+    def rows(t: Tensor) -> Tensor:
+        return F.pad(t, (0, 0, 0, group.width - t.shape[-2]))
+
+    return FastWeights(
+        torch.cat([rows(p.w1) for p in parts], dim=1),
+        torch.cat([p.w2 for p in parts], dim=1),
+        torch.cat([rows(p.m1) for p in parts], dim=1),
+        torch.cat([p.m2 for p in parts], dim=1),
+    )
+
+
+def unstack_group(fast: FastWeights, group: MemoryGroup, n_heads: int) -> dict[str, FastWeights]:
+    if len(group.names) == 1:
+        return {group.names[0]: fast}
+    pieces = [t.split(n_heads, dim=1) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
+    out = {}
+    for i, (name, d_out) in enumerate(zip(group.names, group.outs, strict=True)):
+        w1, w2, m1, m2 = (p[i] for p in pieces)
+        out[name] = FastWeights(w1[..., :d_out, :], w2, m1[..., :d_out, :], m2)
+    return out
