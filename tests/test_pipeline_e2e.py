@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CI_RUN, copy_repo, run, set_params
+from conftest import CI_RUN, ROOT, copy_repo, run, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -166,3 +167,39 @@ def test_readme_data_parallel_command_trains_on_two_ranks(dvc_repo: Path, tmp_pa
     assert metrics["tokens_seen"] == 4 * 8 * resolved["data"]["seq_len"]  # the global batch
     assert proc.stdout.count("train: 4 steps") == 1  # one summary line: rank 0's
     assert [p.name for p in (work / "models/checkpoints").glob("step_*.pt")] == ["step_0000004.pt"]
+
+
+def test_readme_hope_commands_use_the_release(dvc_repo: Path) -> None:
+    """Every `hope` command of the README, verbatim, on the release `make repro` built."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Using a trained model")[1].split("```bash")[1].split("```")[0]
+    commands = [line.split(" #")[0].strip() for line in block.strip().splitlines()]
+    assert [c.split()[1] for c in commands] == [
+        "generate",
+        "score",
+        "memorize",
+        "generate",
+        "doctor",
+        "params",
+    ]
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command)
+        outputs.append(
+            run([str(Path(sys.executable).parent / argv[0]), *argv[1:]], dvc_repo).stdout
+        )
+    first, scored, memorised, continued, doctor, params = outputs
+    assert first.startswith("The module") and len(first) > len("The module\n")
+    assert (
+        first
+        == run(
+            shlex.split(commands[0].replace("hope", str(Path(sys.executable).parent / "hope"), 1)),
+            dvc_repo,
+        ).stdout
+    )
+    row = json.loads(scored)
+    assert math.isfinite(row["loss"]) and row["bits_per_byte"] > 0
+    assert "memorised" in memorised and (dvc_repo / "readme.safetensors").is_file()
+    assert continued.startswith("The pipeline")
+    assert "ok    torch:" in doctor
+    assert yaml.safe_load(params)["preset"] == "pilot"

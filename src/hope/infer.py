@@ -1,0 +1,244 @@
+"""Using a trained model: load it, generate, score text, memorise a document into the
+fast state and keep that state in a file. The Python face of the ``hope`` command.
+
+    import hope.infer as hi
+    run = hi.load("release")                      # release bundle (or a checkpoint dir)
+    print(hi.generate(run, "Once upon", max_new_tokens=32, seed=0).text)
+    print(hi.score(run, open("notes.txt").read()))
+    state = hi.memorize_text(run, open("doc.txt").read())
+    hi.save_state(run, state, "doc.state.safetensors")
+
+Decoding carries the recurrent state token by token (each memory keeps the partial
+chunk it is in pending, attention its KV cache), so every new token costs O(1) memory
+work and equals re-running the whole prefix (tests, float64, every variant).
+``titans_mac`` continues a context only at segment boundaries: it keeps the state of
+the last boundary and re-reads the tokens since (at most ``titans_chunk`` - 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+import torch.nn.functional as F
+import yaml
+
+from hope.config import Config, config_from_dict
+from hope.data.tokenizer import load_tokenizer
+from hope.errors import StageError
+from hope.model.lm import LanguageModel, LMState
+from hope.model.memorize import IGNORE_INDEX, MemorizeConfig, memorize_sequence
+from hope.model.state_file import load_state_file, save_state_file
+from hope.model.zoo import build_model
+from hope.report.bundle import WEIGHTS, load_weights, verify_bundle
+
+DEFAULT_TOKENIZER = Path("data/tokenizer/spm.model")
+
+
+@dataclass
+class Loaded:
+    """A model ready for use, with its tokenizer and the config it was trained with."""
+
+    model: LanguageModel
+    tokenizer: spm.SentencePieceProcessor
+    config: Config
+
+
+def load(
+    path: str | Path,
+    tokenizer: str | Path | None = None,
+    device: str = "cpu",
+    verify: bool = True,
+) -> Loaded:
+    """A release bundle (``model.safetensors`` + ``config.yaml`` + ``tokenizer.model``,
+    checked against its MANIFEST) or a checkpoint directory (the latest checkpoint;
+    tokenizer ``data/tokenizer/spm.model`` unless given). Nothing is unpickled."""
+    root = Path(path)
+    if (root / WEIGHTS).is_file():
+        if verify and (problems := verify_bundle(root)):
+            raise StageError(f"release bundle {root} fails verification: {'; '.join(problems)}")
+        cfg = config_from_dict(yaml.safe_load((root / "config.yaml").read_text()))
+        model = build_model(cfg.model)
+        load_weights(model, root / WEIGHTS)
+        tok_path = Path(tokenizer) if tokenizer else root / "tokenizer.model"
+    elif root.is_dir():
+        from hope.train.checkpoint import load_model
+
+        model, cfg, _ = load_model(root)
+        tok_path = Path(tokenizer) if tokenizer else DEFAULT_TOKENIZER
+    else:
+        raise StageError(f"{root}: no release bundle or checkpoint directory there")
+    sp = load_tokenizer(tok_path)
+    if sp.get_piece_size() != model.cfg.vocab_size:
+        raise StageError(
+            f"tokenizer {tok_path} has {sp.get_piece_size()} pieces but the model "
+            f"{model.cfg.vocab_size} (model.vocab_size): not the model's tokenizer"
+        )
+    model.to(device).eval()
+    return Loaded(model, sp, cfg)
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    state: LMState
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """One token id from logits [V]: greedy at temperature 0, else softmax(logits/T)
+    restricted to the top_k largest (0 = all)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = F.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+class Decoder:
+    """Feeds tokens one call at a time, carrying the state; ``logits`` [V] predicts the
+    next token. Segment-bound models (titans_mac) re-read the open segment per token."""
+
+    def __init__(self, model: LanguageModel, state: LMState | None = None) -> None:
+        self.model = model
+        self.segment = model.cfg.titans_chunk if model.cfg.variant == "titans_mac" else 1
+        self.anchor = model.init_state(1) if state is None else state  # at a boundary
+        if self.anchor.pos % self.segment:
+            raise ValueError(
+                f"titans_mac continues a state only at a multiple of model.titans_chunk="
+                f"{self.segment}; this state is at position {self.anchor.pos}"
+            )
+        self.open: list[int] = []  # tokens since the anchor (< segment)
+        self.logits: torch.Tensor | None = None
+        self.state = self.anchor
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=self.model.device)
+
+    @torch.no_grad()
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids``; returns the logits [len(ids), V] they produce."""
+        device = self.model.device
+        tokens = self.open + ids
+        whole = len(tokens) - len(tokens) % self.segment
+        outputs = []
+        if whole:
+            logits, self.anchor = self.model(
+                torch.tensor([tokens[:whole]], device=device), self.anchor
+            )
+            outputs.append(logits[0])
+            self.state = self.anchor
+        self.open = tokens[whole:]
+        if self.open:
+            logits, self.state = self.model(torch.tensor([self.open], device=device), self.anchor)
+            outputs.append(logits[0])
+        fed = torch.cat(outputs)[-len(ids) :] if ids else torch.empty(0)
+        self.logits = fed[-1] if ids else self.logits
+        return fed
+
+
+def generate_ids(
+    model: LanguageModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    state: LMState | None = None,
+) -> tuple[list[int], LMState]:
+    """Sample up to ``max_new_tokens`` ids after ``prompt`` (non-empty); stops after EOS."""
+    if not prompt:
+        raise ValueError("generate: the prompt encodes to no tokens")
+    decoder = Decoder(model, state)
+    decoder.feed(prompt)
+    gen = torch.Generator().manual_seed(seed)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        assert decoder.logits is not None
+        token = _sample(decoder.logits, temperature, top_k, gen)
+        new.append(token)
+        if token == eos_id:
+            break
+        decoder.feed([token])
+    return new, decoder.state
+
+
+def generate(
+    run: Loaded,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    state: LMState | None = None,
+) -> Generation:
+    """Continue ``prompt``; the same seed gives the same text."""
+    ids, state = generate_ids(
+        run.model, run.tokenizer.encode(prompt), max_new_tokens, temperature=temperature,
+        top_k=top_k, seed=seed, eos_id=run.tokenizer.eos_id(), state=state,
+    )  # fmt: skip
+    return Generation(run.tokenizer.decode(ids), ids, state)
+
+
+@dataclass(frozen=True)
+class Score:
+    loss: float  # mean next-token cross-entropy, nats
+    ppl: float
+    bits_per_byte: float
+    tokens: int  # predicted tokens
+    bytes: int  # UTF-8 bytes of the text
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+@torch.no_grad()
+def score_ids(model: LanguageModel, ids: list[int], window: int) -> tuple[float, int]:
+    """Summed next-token CE (nats) and count over ``ids``, read through ``forward_teach``
+    in windows carrying the state (as the model trains and is evaluated)."""
+    if len(ids) < 2:
+        raise ValueError("score: the text encodes to fewer than two tokens")
+    tokens = torch.tensor([ids], device=model.device)
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, :-1] = tokens[:, 1:]
+    total = torch.zeros((), dtype=torch.float64, device=model.device)
+    state = None
+    for start in range(0, len(ids), window):
+        span = slice(start, start + window)
+        logits, state = model.forward_teach(tokens[:, span], targets[:, span], state)
+        ce = F.cross_entropy(
+            logits.double().flatten(0, 1), targets[:, span].flatten(),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )  # fmt: skip
+        total += ce
+    return float(total), len(ids) - 1  # the one host read
+
+
+def score(run: Loaded, text: str) -> Score:
+    nats, count = score_ids(run.model, run.tokenizer.encode(text), run.config.data.seq_len)
+    n_bytes = len(text.encode("utf-8"))
+    loss = nats / count
+    return Score(loss, math.exp(min(loss, 700.0)), nats / (math.log(2.0) * n_bytes), count, n_bytes)
+
+
+def memorize_text(run: Loaded, text: str, cfg: MemorizeConfig | None = None) -> LMState:
+    """Write ``text`` into a fresh context's fast state (test-time memorisation,
+    ``hope.memorize``; every token written once, in online chunks)."""
+    return memorize_sequence(run.model, run.tokenizer.encode, text, cfg)
+
+
+def save_state(run: Loaded, state: LMState, path: str | Path) -> None:
+    save_state_file(run.model, state, Path(path))
+
+
+def load_state(run: Loaded, path: str | Path) -> LMState:
+    return load_state_file(run.model, Path(path))
