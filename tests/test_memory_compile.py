@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hope.memory.ops import dispatch
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -46,15 +45,11 @@ def _inputs(d_out: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def test_compile_backend_is_opt_in_and_env_selects_it(monkeypatch):
+def test_compile_backend_is_opt_in_and_unknown_names_are_refused():
+    assert resolve_backend(None) == "torch"  # the default, unless a knob set another
     assert resolve_backend("compile") == "compile"
-    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
-    assert dispatch._backend_from_env() == "torch"
-    monkeypatch.setenv(dispatch.ENV_BACKEND, "compile")
-    assert dispatch._backend_from_env() == "compile"
-    monkeypatch.setenv(dispatch.ENV_BACKEND, "triton")
-    with pytest.raises(ValueError, match="HOPE_MEMORY_BACKEND='triton' is not a memory backend"):
-        dispatch._backend_from_env()
+    with pytest.raises(ValueError, match="unknown memory backend 'triton'"):
+        resolve_backend("triton")
 
 
 @pytest.mark.parametrize("objective", ["l2", "dot"])

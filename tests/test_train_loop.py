@@ -7,8 +7,10 @@ import json
 import logging
 import math
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +23,12 @@ from conftest import CLASSIC_SHELL
 from hope.bench.measure import count_host_syncs
 from hope.config import TrainConfig
 from hope.data.shards import ShardedTokens
+from hope.errors import StageError
 from hope.memory.ops.dispatch import resolve_backend, set_default_backend
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
-from hope.train.loop import STOP_AFTER_STEP_ENV, run_training, train_step
+from hope.train.loop import run_training, train_step
 from hope.train.schedule import build_scheduler, lr_factor
 
 VOCAB = 64
@@ -114,25 +117,9 @@ def test_training_step_makes_no_host_syncs() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def test_sigkilled_run_resumes_to_the_uninterrupted_result(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    whole = run(tmp_path / "whole")
-    # A real SIGKILL after step 7 (checkpoint at 6, mid log interval): nothing gets cleaned up.
-    env = {**os.environ, STOP_AFTER_STEP_ENV: "7", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    killed = subprocess.run(
-        [sys.executable, __file__, str(tmp_path / "resumed")], env=env, capture_output=True
-    )
-    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
-    assert latest(tmp_path / "resumed" / "ckpt").name == "step_0000006.pt"
-    assert not (tmp_path / "resumed" / "reports" / "train.json").exists()
-
-    caplog.set_level(logging.INFO, logger="hope.train")
-    resumed = run(tmp_path / "resumed")
-    assert "resuming from step 6" in caplog.text
+def _assert_same_run(whole: dict[str, Any], resumed: dict[str, Any], tmp_path: Path) -> None:
     for key in ("train_loss", "val_loss", "val_ppl", "steps", "tokens_seen", "params"):
         assert resumed[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-6), key
-    assert whole["steps"] == 12 and whole["tokens_seen"] == 12 * 4 * 16
     a = ckpt.load_checkpoint(latest(tmp_path / "whole" / "ckpt"))
     b = ckpt.load_checkpoint(latest(tmp_path / "resumed" / "ckpt"))
     for name, value in a["model"].items():
@@ -142,6 +129,77 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(
     drop_speed = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows_a]
     assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows_b] == drop_speed
     assert json.loads((tmp_path / "resumed" / "reports" / "train.json").read_text()) == resumed
+
+
+KILL_RUN = ("train.steps=48",)
+
+
+def test_sigkill_at_random_moments_then_rerun_gives_the_uninterrupted_result(
+    tmp_path: Path,
+) -> None:
+    """A real SIGKILL from outside, at random moments after a checkpoint appears (mid
+    step, mid log interval, mid checkpoint write): nothing gets cleaned up, and the
+    same command run again ends with the metrics and weights of an uninterrupted run."""
+    whole = run(tmp_path / "whole", *KILL_RUN)
+    ckpt_dir = tmp_path / "resumed" / "ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    rng, kills = random.Random(0), 0
+    for _ in range(3):
+        seen = len(ckpt.list_checkpoints(ckpt_dir))
+        newest = ckpt.latest_checkpoint(ckpt_dir)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, str(tmp_path / "resumed"), *KILL_RUN], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        while proc.poll() is None and ckpt.latest_checkpoint(ckpt_dir) in (None, newest):
+            time.sleep(0.002)  # until this run writes its first checkpoint
+        time.sleep(rng.uniform(0.0, 0.15))
+        proc.kill()
+        _, stderr = proc.communicate()
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -9, stderr.decode()[-2000:]
+        kills += 1
+        assert len(ckpt.list_checkpoints(ckpt_dir)) >= min(seen, 1)
+    assert kills >= 1  # the test did kill a run
+    resumed = run(tmp_path / "resumed", *KILL_RUN)
+    _assert_same_run(whole, resumed, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_a_byte"])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "resumed")  # keeps step 9 and step 12 (the final one)
+    final = latest(tmp_path / "resumed" / "ckpt")
+    assert final.name == "step_0000012.pt"
+    blob = final.read_bytes()
+    if damage == "truncate":
+        final.write_bytes(blob[: len(blob) // 2])
+    else:
+        final.write_bytes(blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
+    caplog.set_level(logging.INFO, logger="hope.train")
+    resumed = run(tmp_path / "resumed")
+    assert "step_0000012.pt: its bytes do not match the sha256" in caplog.text
+    assert (
+        "falling back to step_0000009.pt" in caplog.text and "resuming from step 9" in caplog.text
+    )
+    _assert_same_run(whole, resumed, tmp_path)
+
+
+def test_no_intact_checkpoint_is_an_error_naming_each(tmp_path: Path) -> None:
+    run(tmp_path)
+    for path in ckpt.list_checkpoints(tmp_path / "ckpt"):
+        path.write_bytes(path.read_bytes()[:64])
+    with pytest.raises(StageError, match="no intact checkpoint.*step_0000012.*step_0000009"):
+        run(tmp_path)
+
+
+def test_keep_checkpoints_keeps_that_many_with_their_digests(tmp_path: Path) -> None:
+    run(tmp_path, "train.keep_checkpoints=3")
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_"))
+    assert names == [f"step_{s:07d}.pt{x}" for s in (6, 9, 12) for x in ("", ".sha256")]
 
 
 def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -213,12 +271,35 @@ def test_changed_config_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFi
     run(tmp_path, "train.steps=6")
     caplog.set_level(logging.INFO, logger="hope.train")
     changed = run(tmp_path, "train.steps=6", "optim.lr=0.005")
-    assert "config changed" in caplog.text and "resuming" not in caplog.text
+    assert "config (checkpoint" in caplog.text and "changed since" in caplog.text
+    assert "resuming" not in caplog.text
     fresh = run(tmp_path / "fresh", "train.steps=6", "optim.lr=0.005")
     assert changed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
     new_fp = ckpt.config_fingerprint(tiny_cfg("train.steps=6", "optim.lr=0.005"))
     for path in ckpt.list_checkpoints(tmp_path / "ckpt"):
         assert ckpt.load_checkpoint(path)["fingerprint"] == new_fp
+
+
+def test_changed_training_data_starts_fresh_instead_of_mixing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = tiny_cfg("train.steps=6")
+    train_tokens, val_tokens = token_streams()
+    run_training(cfg, train_tokens, val_tokens, tmp_path / "ckpt", tmp_path / "reports")
+    shifted = ShardedTokens([(a + 1) % VOCAB for a in train_tokens.arrays])  # new shards
+    caplog.set_level(logging.INFO, logger="hope.train")
+    changed = run_training(cfg, shifted, val_tokens, tmp_path / "ckpt", tmp_path / "reports")
+    assert "training data: shards or tokenizer (checkpoint" in caplog.text
+    assert "resuming" not in caplog.text
+    fresh = run_training(cfg, shifted, val_tokens, tmp_path / "f" / "ckpt", tmp_path / "f" / "r")
+    assert changed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
+
+
+def test_shard_digest_follows_the_manifest_not_the_path(tmp_path: Path) -> None:
+    a, b = ShardedTokens([np.arange(10, dtype=np.uint16)]), ShardedTokens([np.arange(10)])
+    assert a.digest != b.digest  # dtype is part of the content
+    assert a.digest == ShardedTokens([np.arange(10, dtype=np.uint16)]).digest
+    assert ShardedTokens([np.arange(3)], digest="from-manifest").digest == "from-manifest"
 
 
 def test_bf16_autocast_step_stays_close_to_fp32() -> None:

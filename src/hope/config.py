@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -109,6 +107,8 @@ class TrainConfig:
     # chunk steps through torch.compile (same values); "fla" needs CUDA + fla.
     memory_backend: Literal["torch", "compile", "fla"] = "torch"
     checkpoint_every: int = 100
+    # Checkpoints kept (newest first); a corrupt newest one falls back to the next.
+    keep_checkpoints: int = 2
     log_every: int = 10
     val_every: int = 50
     val_batches: int = 8
@@ -199,13 +199,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def section_hash(self, *sections: str) -> str:
-        """Stable digest of the named sections (all when none are named)."""
-        data = self.to_dict()
-        keys = sections or tuple(sorted(data))
-        blob = json.dumps({k: data[k] for k in keys}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def available_presets() -> list[str]:
@@ -418,6 +411,11 @@ def _validate(cfg: Config) -> None:
         (cfg.train.batch_size > 0, "train.batch_size must be positive"),
         (cfg.train.nproc_per_node >= 1, "train.nproc_per_node must be >= 1"),
         (cfg.train.nnodes >= 1, "train.nnodes must be >= 1"),
+        (
+            cfg.train.keep_checkpoints >= 1,
+            f"train.keep_checkpoints={cfg.train.keep_checkpoints} must be >= 1",
+        ),
+        (cfg.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1"),
         (
             cfg.train.micro_batch_size is None
             or 1 <= cfg.train.micro_batch_size <= cfg.train.batch_size,

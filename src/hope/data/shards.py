@@ -164,13 +164,27 @@ def write_shards(
 
 
 class ShardedTokens:
-    """Read-only view of a split: the concatenation of its shard arrays."""
+    """Read-only view of a split: the concatenation of its shard arrays.
 
-    def __init__(self, arrays: list[np.ndarray]) -> None:
+    ``digest`` identifies the content: from the shard manifest (its sha256s and the
+    tokenizer's) when loaded from disk, else hashed from the arrays on first use."""
+
+    def __init__(self, arrays: list[np.ndarray], digest: str | None = None) -> None:
         self.arrays = [a for a in arrays if a.size]
         sizes = np.array([a.size for a in self.arrays], dtype=np.int64)
         self.ends = np.cumsum(sizes)  # exclusive end offset of each array
         self.num_tokens = int(self.ends[-1]) if self.ends.size else 0
+        self._digest = digest
+
+    @property
+    def digest(self) -> str:
+        if self._digest is None:
+            sha = hashlib.sha256()
+            for array in self.arrays:
+                sha.update(str(array.dtype).encode())
+                sha.update(np.ascontiguousarray(array).tobytes())
+            self._digest = sha.hexdigest()
+        return self._digest
 
     def window(self, start: int, length: int) -> np.ndarray:
         """``length`` tokens from global offset ``start`` as an int64 copy (may cross shards)."""
@@ -231,4 +245,6 @@ def load_split(
         if verify_hash and sha256_file(path) != shard["sha256"]:
             raise StageError(f"shard {path} is corrupt: sha256 mismatch")
         arrays.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
-    return ShardedTokens(arrays)
+    identity = {"split": manifest["splits"][split], "tokenizer": manifest["tokenizer_sha256"]}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return ShardedTokens(arrays, digest)

@@ -87,11 +87,10 @@ def _validate(cfg: SMTConfig) -> None:
 
 
 class SelfModifyingTitans(nn.Module):
-    def __init__(self, cfg: SMTConfig, backend: str | None = None):
+    def __init__(self, cfg: SMTConfig):
         super().__init__()
         _validate(cfg)
         self.cfg = cfg
-        self.backend = resolve_backend(backend) if backend is not None else None
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         hidden = cfg.expansion * self.d_head
         self.conv = (
@@ -314,7 +313,7 @@ class SelfModifyingTitans(nn.Module):
         batch, seq, dim = x.shape
         if state is None:
             state = self.init_state(batch)
-        backend = resolve_backend(backend or self.backend)
+        backend = resolve_backend(backend)
         tail = state.conv_tail
         if self.conv is not None:
             assert tail is not None

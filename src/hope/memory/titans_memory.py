@@ -147,14 +147,13 @@ class NeuralMemoryState:
 
 
 class NeuralMemory(nn.Module):
-    def __init__(self, cfg: TitansMemoryConfig, backend: str | None = None):
+    def __init__(self, cfg: TitansMemoryConfig):
         super().__init__()
         if cfg.dim % cfg.n_heads:
             raise ValueError(f"model.dim={cfg.dim} not divisible by model.n_heads={cfg.n_heads}")
         if cfg.chunk < 1:
             raise ValueError(f"model.titans_chunk={cfg.chunk} must be >= 1")
         self.cfg = cfg
-        self.backend = resolve_backend(backend) if backend is not None else None
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         self.w_qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         # The conv window is shared with SMT (one knob for "local conv on inputs").
@@ -220,7 +219,7 @@ class NeuralMemory(nn.Module):
         batch, seq, dim = x.shape
         if state is None:
             state = self.init_state(batch)
-        backend = resolve_backend(backend or self.backend)
+        backend = resolve_backend(backend)
         (q, k, v), tail = self._project(x, state.conv_tail)
         # [B, T, 3H] -> three [B, H, T] gates
         gates = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)

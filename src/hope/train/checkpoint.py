@@ -1,13 +1,17 @@
 """Checkpoints: atomic ``step_{step:07d}.pt`` files, loadable with ``weights_only=True``.
 
 Everything stored is a tensor, dict, list, int, float, str, bool or None, so
-``torch.load(weights_only=True)`` can read it back without unpickling code.
+``torch.load(weights_only=True)`` can read it back without unpickling code. Each file
+gets a ``.sha256`` beside it, written after it; a checkpoint whose bytes no longer
+match (truncated, bit rot, tampered) or that cannot be read is skipped, with a
+warning, for the newest intact one (``latest_intact``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pickle
 import random
 import re
@@ -19,10 +23,11 @@ import torch
 
 from hope.config import Config, config_from_dict
 from hope.errors import StageError
-from hope.io import atomic_write
+from hope.io import atomic_write, atomic_write_text, sha256_file
 from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
 
+log = logging.getLogger("hope.train")
 CHECKPOINT_RE = re.compile(r"^step_(\d{7,})\.pt$")
 FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 
@@ -32,7 +37,8 @@ FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 # Knobs that do not change what is trained (a resume may change them; the world size
 # and micro-batch size change only the order of floating-point sums).
 OBSERVATION_KNOBS = (
-    "log_every", "checkpoint_every", "wandb_mode", "wandb_project", "nproc_per_node", "nnodes",
+    "log_every", "checkpoint_every", "keep_checkpoints", "wandb_mode", "wandb_project",
+    "nproc_per_node", "nnodes",
 )  # fmt: skip
 
 
@@ -103,16 +109,40 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py_state["version"], internal, py_state["gauss_next"]))
 
 
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, payload: dict[str, Any], keep: int = 2) -> Path:
-    """Write ``step_{step:07d}.pt`` atomically, then delete all but the newest ``keep``."""
+    """Write ``step_{step:07d}.pt`` atomically and its sha256 beside it, then delete all
+    but the newest ``keep``. A kill at any instant leaves every older checkpoint intact."""
+    if keep < 1:
+        raise ValueError(f"train.keep_checkpoints={keep} must be >= 1")
     path = checkpoint_path(ckpt_dir, step)
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    atomic_write_text(digest_path(path), f"{sha256_file(path)}  {path.name}\n")
     for old in list_checkpoints(ckpt_dir)[:-keep]:
         old.unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
     return path
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be trusted (its recorded sha256 differs), or None. A file
+    without a digest (a kill between the two renames, or an older run) is judged by
+    whether it loads."""
+    digest = digest_path(path)
+    if not digest.is_file():
+        return None
+    recorded = digest.read_text().split()[0] if digest.read_text().strip() else ""
+    if recorded != sha256_file(path):
+        return f"{path.name}: its bytes do not match the sha256 recorded when it was saved"
+    return None
+
+
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    if (problem := checkpoint_problem(path)) is not None:
+        raise StageError(f"{path}: corrupt checkpoint ({problem})")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
@@ -122,14 +152,36 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     return payload
 
 
+def latest_intact(
+    ckpt_dir: Path, map_location: str | torch.device = "cpu"
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that verifies and loads, and its payload; newer broken
+    ones are skipped with a warning naming them. None when there is no checkpoint;
+    a StageError listing every problem when none is intact."""
+    problems = []
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            payload = load_checkpoint(path, map_location)
+        except StageError as err:
+            problems.append(str(err))
+            log.warning("skipping %s", err)
+            continue
+        if problems:
+            log.warning("falling back to %s, the newest intact checkpoint", path.name)
+        return path, payload
+    if problems:
+        raise StageError(f"no intact checkpoint in {ckpt_dir}: {'; '.join(problems)}")
+    return None
+
+
 def load_model(
     ckpt_dir: Path, map_location: str | torch.device = "cpu"
 ) -> tuple[LanguageModel, Config, int]:
-    """Rebuild the model of the latest checkpoint from its stored config and weights."""
-    path = latest_checkpoint(ckpt_dir)
-    if path is None:
+    """Rebuild the model of the newest intact checkpoint from its config and weights."""
+    found = latest_intact(Path(ckpt_dir), map_location)
+    if found is None:
         raise StageError(f"no checkpoint (step_*.pt) in {ckpt_dir}; run `python stages/train.py`")
-    payload = load_checkpoint(path, map_location)
+    _, payload = found
     cfg = config_from_dict(payload["config"])
     model = build_model(cfg.model).to(map_location)
     model.load_state_dict(payload["model"])

@@ -9,10 +9,9 @@ Host syncs happen only at log, validation and checkpoint steps.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,6 @@ from hope.train.schedule import build_scheduler
 log = logging.getLogger("hope.train")
 
 # Test hook: SIGKILL this process right after step N (and its checkpoint, if any) is done.
-STOP_AFTER_STEP_ENV = "HOPE_STOP_AFTER_STEP"
 
 
 def autocast(
@@ -147,6 +145,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.fingerprint = ckpt.config_fingerprint(cfg)
+        # What the run reads: shards (by their manifest) and tokenizer, train and val.
+        self.data_digest = hashlib.sha256(
+            f"{train_tokens.digest}:{val_tokens.digest}".encode()
+        ).hexdigest()[:16]
         seq_len, batch = cfg.data.seq_len, cfg.train.batch_size
         self.val_batches = list(eval_batches(val_tokens, batch, seq_len, cfg.train.val_batches))
         if not self.val_batches:
@@ -161,21 +163,29 @@ class Trainer:
         self.interval_start = time.perf_counter()
 
     def restore_or_reset(self) -> None:
-        latest = ckpt.latest_checkpoint(self.ckpt_dir)
-        if latest is None:
+        found = ckpt.latest_intact(self.ckpt_dir, self.device)
+        if found is None:
             return
-        payload = ckpt.load_checkpoint(latest, self.device)
-        if payload.get("fingerprint") != self.fingerprint:
+        latest, payload = found
+        changed = [
+            f"{what} (checkpoint {payload.get(key)}, now {mine})"
+            for what, key, mine in (
+                ("config", "fingerprint", self.fingerprint),
+                ("training data: shards or tokenizer", "data_digest", self.data_digest),
+            )
+            if payload.get(key) != mine
+        ]
+        if changed:
             log.warning(
-                "config changed (checkpoint %s has fingerprint %s, current config %s): "
-                "starting fresh and deleting old checkpoints",
+                "%s changed since %s: starting fresh and deleting old checkpoints "
+                "(never mixing runs)",
+                " and ".join(changed),
                 latest.name,
-                payload.get("fingerprint"),
-                self.fingerprint,
             )
             if self.env.is_main:
                 for path in ckpt.list_checkpoints(self.ckpt_dir):
                     path.unlink()
+                    ckpt.digest_path(path).unlink(missing_ok=True)
             return
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
@@ -207,8 +217,9 @@ class Trainer:
             "metrics": self.final_metrics,
             "config": self.cfg.to_dict(),
             "fingerprint": self.fingerprint,
+            "data_digest": self.data_digest,
         }
-        ckpt.save_checkpoint(self.ckpt_dir, self.step, payload)
+        ckpt.save_checkpoint(self.ckpt_dir, self.step, payload, self.cfg.train.keep_checkpoints)
 
     def run(self) -> dict[str, Any]:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +247,6 @@ class Trainer:
     def loop(self, logger: TrainLogger | SilentLogger) -> None:
         cfg = self.cfg.train
         tokens_per_step = cfg.batch_size * self.cfg.data.seq_len
-        stop_after = int(os.environ.get(STOP_AFTER_STEP_ENV, "0"))
         self.model.train()
         self.interval_start, interval_tokens = time.perf_counter(), 0
         while self.step < cfg.steps:
@@ -270,8 +280,6 @@ class Trainer:
                     self.final_metrics = self.metrics(row)
             if self.step % cfg.checkpoint_every == 0 or last:
                 self.save()
-            if self.step == stop_after:
-                os.kill(os.getpid(), signal.SIGKILL)
 
     def log_row(
         self, is_log: bool, is_val: bool, lr: float, interval_start: float, interval_tokens: int

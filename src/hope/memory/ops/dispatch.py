@@ -16,15 +16,15 @@ Backends:
   write; ``memory/titans_memory.py``: read, curvature and write): 12-16% off a
   tiny-shape training step on a 2-core CPU (bench, ``bench.memory_backend=compile``).
 
-``set_default_backend`` overrides the default (tests, benchmarks); the
-environment variable ``HOPE_MEMORY_BACKEND`` sets it at import; modules also
-accept a per-instance ``backend``.
+The default is set once per process from the ``train.memory_backend`` /
+``bench.memory_backend`` knob (``train.device.setup_runtime`` calls
+``set_default_backend``); a memory's ``forward(..., backend=...)`` overrides it for
+one call (the tests' naive oracles).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
 
@@ -37,19 +37,7 @@ from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, Residu
 
 Backend = Literal["torch", "naive", "fla", "compile"]
 BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile")
-ENV_BACKEND = "HOPE_MEMORY_BACKEND"
-
-
-def _backend_from_env() -> Backend:
-    name = os.environ.get(ENV_BACKEND, "torch")
-    if name not in BACKENDS:
-        raise ValueError(
-            f"{ENV_BACKEND}={name!r} is not a memory backend; expected one of {BACKENDS}"
-        )
-    return cast(Backend, name)
-
-
-_default_backend: Backend = _backend_from_env()
+_default_backend: Backend = "torch"
 
 
 def set_default_backend(name: str) -> None:
