@@ -104,9 +104,18 @@ def test_score_is_the_mean_next_token_loss_of_the_teach_path(variant: str) -> No
         logits, _ = model.forward_teach(x[:, :-1], x[:, 1:])
     want = F.cross_entropy(logits[0].double(), x[0, 1:], reduction="sum").item()
     for window in (20, 8, 4):  # windows on the chunk grid carry the state exactly
-        nats, count = infer.score_ids(model, ids, window)
+        nats, count = infer.score_ids(model, ids, window, stream=True)
         assert count == 19
         assert nats == pytest.approx(want, rel=1e-10), window
+    # Default: every window a fresh context (the eval stage's protocol).
+    fresh = 0.0
+    with torch.no_grad():
+        for start in range(0, 20, 8):
+            xs, ys = x[:, start : start + 8], torch.full_like(x[:, start : start + 8], -100)
+            ys[:, : min(8, 19 - start)] = x[:, start + 1 : start + 9]
+            logits, _ = model.forward_teach(xs, ys)
+            fresh += F.cross_entropy(logits[0].double(), ys[0], ignore_index=-100, reduction="sum")
+    assert infer.score_ids(model, ids, 8)[0] == pytest.approx(float(fresh), rel=1e-10)
 
 
 # --------------------------------------------------------------- the hope command

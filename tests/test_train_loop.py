@@ -27,7 +27,9 @@ from hope.errors import StageError
 from hope.memory.ops.dispatch import resolve_backend, set_default_backend
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
+from hope.train import loop as loop_module
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
+from hope.train.guard import RunLock
 from hope.train.loop import run_training, train_step
 from hope.train.schedule import build_scheduler, lr_factor
 
@@ -293,6 +295,62 @@ def test_changed_training_data_starts_fresh_instead_of_mixing(
     assert "resuming" not in caplog.text
     fresh = run_training(cfg, shifted, val_tokens, tmp_path / "f" / "ckpt", tmp_path / "f" / "r")
     assert changed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
+
+
+def _inject_nan(monkeypatch: pytest.MonkeyPatch, at_calls: set[int]) -> None:
+    """Make train_step diverge on the given calls (1-based): NaN weights and loss."""
+    real, calls = loop_module.train_step, [0]
+
+    def diverging(model, *args, **kwargs):  # type: ignore[no-untyped-def]
+        loss = real(model, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] not in at_calls:
+            return loss
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan"))
+        return loss * float("nan")
+
+    monkeypatch.setattr(loop_module, "train_step", diverging)
+
+
+def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    _inject_nan(monkeypatch, {7})
+    with pytest.raises(StageError, match=r"non-finite loss in steps 7\.\.8 .*step_0000006\.pt"):
+        run(tmp_path)
+    assert latest(tmp_path / "ckpt").name == "step_0000006.pt"  # nothing saved after
+    payload = ckpt.load_checkpoint(latest(tmp_path / "ckpt"))
+    assert all(torch.isfinite(t).all() for t in payload["model"].values())
+
+
+def test_nan_rewind_resumes_from_the_last_good_checkpoint_with_a_lower_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _inject_nan(monkeypatch, {7})
+    caplog.set_level(logging.INFO, logger="hope.train")
+    metrics = run(tmp_path, "train.nan_policy=rewind")
+    assert "non-finite loss in steps 7..8: rewinding to step_0000006.pt" in caplog.text
+    assert metrics["steps"] == 12 and math.isfinite(metrics["val_loss"])
+    steps = [int(r["step"]) for r in read_tsv(tmp_path / "reports" / "train_log.tsv")]
+    assert steps == sorted(set(steps))  # the rewound interval's rows are not duplicated
+    final = ckpt.load_checkpoint(latest(tmp_path / "ckpt"))
+    assert final["nan_rewinds"] == 1
+    assert final["scheduler"]["base_lrs"] == [pytest.approx(0.005)] * len(
+        final["scheduler"]["base_lrs"]
+    )  # optim.lr 0.01 x nan_lr_factor 0.5
+
+
+def test_nan_rewind_gives_up_after_the_maximum(tmp_path: Path, monkeypatch) -> None:
+    _inject_nan(monkeypatch, set(range(7, 100)))
+    with pytest.raises(StageError, match="after 2 rewinds.*step_0000006.pt"):
+        run(tmp_path, "train.nan_policy=rewind", "train.nan_max_rewinds=2")
+
+
+def test_a_second_run_on_the_same_folder_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    holder = rf"in use by another training run \(pid {os.getpid()}"
+    with RunLock(tmp_path / "ckpt"), pytest.raises(StageError, match=holder):
+        run(tmp_path)
+    run(tmp_path, "train.steps=3")  # released: the folder trains again
 
 
 def test_shard_digest_follows_the_manifest_not_the_path(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
     hope generate --model release --prompt "Once upon" [--max-new-tokens 64]
                   [--temperature 1.0] [--top-k 0] [--seed 0] [--state doc.safetensors]
-    hope score --model release FILE...
+    hope score --model release [--stream] FILE...
     hope memorize --model release --text doc.txt --save doc.safetensors
     hope doctor [--params params.yaml]
     hope params [--preset NAME] [--params params.yaml] [--set key=value ...]
@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     score = sub.add_parser("score", help="loss, perplexity and bits per byte of text files")
     _model_args(score)
     score.add_argument("files", nargs="+", type=Path)
+    score.add_argument(
+        "--stream", action="store_true",
+        help="carry the fast state across windows (default: each window of the training "
+        "context is a fresh context, as the eval stage scores)",
+    )  # fmt: skip
 
     mem = sub.add_parser("memorize", help="write a document into the fast state and save it")
     _model_args(mem)
@@ -89,7 +94,8 @@ def _score(args: argparse.Namespace) -> None:
 
     run = infer.load(args.model, args.tokenizer, args.device)
     for path in args.files:
-        print(json.dumps({"file": str(path), **infer.score(run, _read_text(path)).as_dict()}))
+        result = infer.score(run, _read_text(path), stream=args.stream)
+        print(json.dumps({"file": str(path), **result.as_dict()}))
 
 
 def _memorize(args: argparse.Namespace) -> None:

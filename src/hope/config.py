@@ -109,6 +109,12 @@ class TrainConfig:
     checkpoint_every: int = 100
     # Checkpoints kept (newest first); a corrupt newest one falls back to the next.
     keep_checkpoints: int = 2
+    # On a non-finite loss (checked at each log/validation/checkpoint step, before
+    # anything is saved): stop with the last good checkpoint intact, or rewind to it
+    # with the learning rate times nan_lr_factor, at most nan_max_rewinds times.
+    nan_policy: Literal["stop", "rewind"] = "stop"
+    nan_lr_factor: float = 0.5
+    nan_max_rewinds: int = 3
     log_every: int = 10
     val_every: int = 50
     val_batches: int = 8
@@ -416,6 +422,11 @@ def _validate(cfg: Config) -> None:
             f"train.keep_checkpoints={cfg.train.keep_checkpoints} must be >= 1",
         ),
         (cfg.train.checkpoint_every >= 1, "train.checkpoint_every must be >= 1"),
+        (
+            0.0 < cfg.train.nan_lr_factor < 1.0,
+            f"train.nan_lr_factor={cfg.train.nan_lr_factor} must be in (0, 1)",
+        ),
+        (cfg.train.nan_max_rewinds >= 0, "train.nan_max_rewinds must be >= 0"),
         (
             cfg.train.micro_batch_size is None
             or 1 <= cfg.train.micro_batch_size <= cfg.train.batch_size,

@@ -202,9 +202,13 @@ class Score:
 
 
 @torch.no_grad()
-def score_ids(model: LanguageModel, ids: list[int], window: int) -> tuple[float, int]:
+def score_ids(
+    model: LanguageModel, ids: list[int], window: int, stream: bool = False
+) -> tuple[float, int]:
     """Summed next-token CE (nats) and count over ``ids``, read through ``forward_teach``
-    in windows carrying the state (as the model trains and is evaluated)."""
+    (as the model trains and is evaluated) in windows of ``window`` tokens: each a fresh
+    context, as the ``eval`` stage scores (default), or ``stream``: one context carried
+    across the windows (test-time learning over the whole text)."""
     if len(ids) < 2:
         raise ValueError("score: the text encodes to fewer than two tokens")
     tokens = torch.tensor([ids], device=model.device)
@@ -215,6 +219,7 @@ def score_ids(model: LanguageModel, ids: list[int], window: int) -> tuple[float,
     for start in range(0, len(ids), window):
         span = slice(start, start + window)
         logits, state = model.forward_teach(tokens[:, span], targets[:, span], state)
+        state = state if stream else None
         ce = F.cross_entropy(
             logits.double().flatten(0, 1), targets[:, span].flatten(),
             ignore_index=IGNORE_INDEX, reduction="sum",
@@ -223,8 +228,11 @@ def score_ids(model: LanguageModel, ids: list[int], window: int) -> tuple[float,
     return float(total), len(ids) - 1  # the one host read
 
 
-def score(run: Loaded, text: str) -> Score:
-    nats, count = score_ids(run.model, run.tokenizer.encode(text), run.config.data.seq_len)
+def score(run: Loaded, text: str, stream: bool = False) -> Score:
+    """Loss, perplexity and bits per byte of ``text`` in windows of the training
+    context (``data.seq_len``); ``stream`` carries the fast state across them."""
+    ids = run.tokenizer.encode(text)
+    nats, count = score_ids(run.model, ids, run.config.data.seq_len, stream)
     n_bytes = len(text.encode("utf-8"))
     loss = nats / count
     return Score(loss, math.exp(min(loss, 700.0)), nats / (math.log(2.0) * n_bytes), count, n_bytes)

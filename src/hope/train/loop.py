@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hope.config import Config, save_config
 from hope.data.batches import eval_batches, random_batch
 from hope.data.shards import ShardedTokens, load_split
+from hope.errors import StageError
 from hope.io import atomic_write_json
 from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
@@ -30,12 +31,11 @@ from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env
 from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime
+from hope.train.guard import NonFiniteWatch, RunLock
 from hope.train.logger import SilentLogger, TrainLogger, write_tsv
 from hope.train.schedule import build_scheduler
 
 log = logging.getLogger("hope.train")
-
-# Test hook: SIGKILL this process right after step N (and its checkpoint, if any) is done.
 
 
 def autocast(
@@ -161,6 +161,8 @@ class Trainer:
         self.interval_steps = 0
         self.final_metrics: dict[str, Any] | None = None
         self.interval_start = time.perf_counter()
+        self.rewinds = 0
+        self.watch = NonFiniteWatch(self.device, 0)
 
     def restore_or_reset(self) -> None:
         found = ckpt.latest_intact(self.ckpt_dir, self.device)
@@ -187,17 +189,53 @@ class Trainer:
                     path.unlink()
                     ckpt.digest_path(path).unlink(missing_ok=True)
             return
+        self.restore(payload)
+        log.info("resuming from step %d (%s)", self.step, latest.name)
+
+    def restore(self, payload: dict[str, Any]) -> None:
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         ckpt.restore_rng_state(payload["rng"])
         self.step, self.tokens_seen = int(payload["step"]), int(payload["tokens_seen"])
         self.elapsed_s = float(payload["elapsed_s"])
-        self.rows = list(payload["log_rows"])
+        self.rows[:] = payload["log_rows"]  # in place: the logger shares this list
         self.interval_loss = payload["interval_loss"].to(self.device)
         self.interval_steps = int(payload["interval_steps"])
         self.final_metrics = payload.get("metrics")
-        log.info("resuming from step %d (%s)", self.step, latest.name)
+        self.rewinds = int(payload.get("nan_rewinds", 0))
+        self.watch.reset(self.step)
+
+    def on_nonfinite(self) -> None:
+        """A non-finite loss since the last verified step: stop, or rewind to the newest
+        intact checkpoint (all saved with finite losses) with a lower learning rate."""
+        cfg = self.cfg.train
+        span = f"steps {self.watch.verified_step + 1}..{self.step}"
+        found = ckpt.latest_intact(self.ckpt_dir, self.device)
+        good = found[0].name if found else "none yet"
+        if cfg.nan_policy == "stop" or self.rewinds >= cfg.nan_max_rewinds or found is None:
+            why = f"after {self.rewinds} rewinds" if cfg.nan_policy == "rewind" else "stop"
+            raise StageError(
+                f"train: non-finite loss in {span} (train.nan_policy={cfg.nan_policy}, {why}); "
+                f"the last good checkpoint ({good}) is intact: lower optim.lr, or set "
+                "train.nan_policy=rewind"
+            )
+        path, payload = found
+        rewinds = self.rewinds + 1
+        self.restore(payload)
+        self.rewinds = rewinds
+        factor = cfg.nan_lr_factor
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+        log.warning(
+            "non-finite loss in %s: rewinding to %s with the learning rate x%g (rewind %d of %d)",
+            span, path.name, factor, rewinds, cfg.nan_max_rewinds,
+        )  # fmt: skip
+
+    def nonfinite_seen(self) -> bool:
+        """One host read, at a log/validation/checkpoint step (all ranks agree)."""
+        return bool(dist_env.all_reduce_sum(self.watch.count.clone(), self.env).item() > 0)
 
     def save(self) -> None:
         if not self.env.is_main:  # every rank holds the same model and optimizer
@@ -218,11 +256,16 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "fingerprint": self.fingerprint,
             "data_digest": self.data_digest,
+            "nan_rewinds": self.rewinds,
         }
         ckpt.save_checkpoint(self.ckpt_dir, self.step, payload, self.cfg.train.keep_checkpoints)
 
     def run(self) -> dict[str, Any]:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        with RunLock(self.ckpt_dir) if self.env.is_main else contextlib.nullcontext():
+            return self.run_locked()
+
+    def run_locked(self) -> dict[str, Any]:
         if self.env.is_main:
             save_config(self.cfg, self.ckpt_dir / "config.yaml")
         self.restore_or_reset()
@@ -263,6 +306,7 @@ class Trainer:
                 micro_batch=cfg.micro_batch_size, ddp=self.ddp,
             )  # fmt: skip
             self.interval_loss += loss.float()
+            self.watch.observe(loss)
             self.interval_steps += 1
             self.step += 1
             self.tokens_seen += tokens_per_step
@@ -271,6 +315,13 @@ class Trainer:
             last = self.step == cfg.steps
             is_log = self.step % cfg.log_every == 0 or last
             is_val = self.step % cfg.val_every == 0 or last
+            is_ckpt = self.step % cfg.checkpoint_every == 0 or last
+            if is_log or is_val or is_ckpt:  # verify before anything is logged or saved
+                if self.nonfinite_seen():
+                    self.on_nonfinite()
+                    self.interval_start, interval_tokens = time.perf_counter(), 0
+                    continue
+                self.watch.reset(self.step)
             if is_log or is_val:
                 row = self.log_row(is_log, is_val, lr, self.interval_start, interval_tokens)
                 self.elapsed_s += time.perf_counter() - self.interval_start
@@ -278,7 +329,7 @@ class Trainer:
                 logger.log(row)
                 if last:
                     self.final_metrics = self.metrics(row)
-            if self.step % cfg.checkpoint_every == 0 or last:
+            if is_ckpt:
                 self.save()
 
     def log_row(

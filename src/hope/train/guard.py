@@ -1,0 +1,81 @@
+"""Guards of a training run: one run per checkpoint folder, and non-finite losses.
+
+``RunLock`` takes an exclusive ``flock`` on ``<ckpt_dir>/.lock`` for the whole run and
+writes its holder (pid, host, start time) into it; a second run on the same folder
+stops at once, naming the holder. The kernel drops the lock when its process dies,
+SIGKILL included, so no stale lock is ever left to clean up.
+
+``NonFiniteWatch`` counts non-finite step losses on the device (no host sync per
+step) and is read once per log/validation/checkpoint boundary, before anything is
+logged or saved: so no checkpoint ever holds a diverged model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import torch
+
+from hope.errors import StageError
+
+LOCK_NAME = ".lock"
+
+
+class RunLock(contextlib.AbstractContextManager["RunLock"]):
+    def __init__(self, ckpt_dir: Path) -> None:
+        self.path = Path(ckpt_dir) / LOCK_NAME
+        self.handle: IO[str] | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # noqa: SIM115  (held for the whole run)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise StageError(
+                f"{self.path.parent} is in use by another training run ({holder}); "
+                "wait for it to finish or train into another folder"
+            ) from None
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n")
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self.handle is not None:
+            fcntl.flock(self.handle.fileno(), fcntl.LOCK_UN)
+            self.handle.close()
+            self.handle = None
+
+
+class NonFiniteWatch:
+    """Device-side count of non-finite step losses since the last verified step."""
+
+    def __init__(self, device: torch.device, step: int) -> None:
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.verified_step = step  # every step up to here had a finite loss
+
+    def observe(self, loss: torch.Tensor) -> None:
+        self.count += (~torch.isfinite(loss)).to(torch.int64)  # on device, no sync
+
+    def reset(self, step: int) -> None:
+        self.count.zero_()
+        self.verified_step = step
