@@ -20,6 +20,7 @@ from hope.app import main
 from hope.config import Config, load_config
 from hope.data.download import run_download
 from hope.data.tokenizer import train_tokenizer
+from hope.errors import StageError
 from hope.model.state_file import load_state_file, save_state_file
 from hope.report.bundle import build_bundle
 from hope.train.checkpoint import save_checkpoint
@@ -192,6 +193,15 @@ def test_hope_memorize_then_generate_from_the_saved_state(bundle: Path, tmp_path
     without.feed(ids)
     assert with_doc.logits is not None and without.logits is not None
     assert (with_doc.logits - without.logits).abs().max() > 1e-4
+
+
+def test_diverged_writes_are_refused_not_handed_on(bundle: Path, tmp_path: Path) -> None:
+    run = infer.load(bundle)
+    with torch.no_grad():  # a rate no fast state survives
+        for level in (lvl for block in run.model.hope_blocks() for lvl in block.cms.levels):
+            level.rule.lr = 1e12
+    with pytest.raises(StageError, match="fast state non-finite"):
+        infer.memorize_text(run, "The module defines functions for text. " * 20)
 
 
 def test_hope_refuses_bad_input_with_one_line(bundle: Path, tmp_path, capsys) -> None:

@@ -199,7 +199,7 @@ def test_readme_hope_commands_use_the_release(dvc_repo: Path) -> None:
     )
     row = json.loads(scored)
     assert math.isfinite(row["loss"]) and row["bits_per_byte"] > 0
-    assert "memorised" in memorised and (dvc_repo / "readme.safetensors").is_file()
-    assert continued.startswith("The pipeline")
+    assert "memorised" in memorised and (dvc_repo / "download.safetensors").is_file()
+    assert continued.startswith("The download")
     assert "ok    torch:" in doctor
     assert yaml.safe_load(params)["preset"] == "pilot"

@@ -29,6 +29,7 @@ import yaml
 from hope.config import Config, config_from_dict
 from hope.data.tokenizer import load_tokenizer
 from hope.errors import StageError
+from hope.memory.fast_state import tensor_leaves
 from hope.model.lm import LanguageModel, LMState
 from hope.model.memorize import IGNORE_INDEX, MemorizeConfig, memorize_sequence
 from hope.model.state_file import load_state_file, save_state_file
@@ -163,6 +164,8 @@ def generate_ids(
     new: list[int] = []
     for _ in range(max_new_tokens):
         assert decoder.logits is not None
+        if not bool(torch.isfinite(decoder.logits).all()):
+            raise StageError(f"non-finite next-token logits at position {decoder.state.pos}")
         token = _sample(decoder.logits, temperature, top_k, gen)
         new.append(token)
         if token == eos_id:
@@ -240,8 +243,15 @@ def score(run: Loaded, text: str, stream: bool = False) -> Score:
 
 def memorize_text(run: Loaded, text: str, cfg: MemorizeConfig | None = None) -> LMState:
     """Write ``text`` into a fresh context's fast state (test-time memorisation,
-    ``hope.memorize``; every token written once, in online chunks)."""
-    return memorize_sequence(run.model, run.tokenizer.encode, text, cfg)
+    ``hope.memorize``; every token written once, in online chunks). Refuses a state
+    the writes made non-finite rather than handing it on."""
+    state = memorize_sequence(run.model, run.tokenizer.encode, text, cfg)
+    if not all(bool(torch.isfinite(t).all()) for t in tensor_leaves(state.blocks)):
+        raise StageError(
+            f"memorising {state.pos} tokens made the fast state non-finite (the test-time "
+            "writes diverged); memorise a shorter text"
+        )
+    return state
 
 
 def save_state(run: Loaded, state: LMState, path: str | Path) -> None:
