@@ -7,12 +7,8 @@ import copy
 import pytest
 import torch
 
-from hope.memory.cms import (
-    CMS,
-    CMSLevel,
-    chunk_grad_sums,
-    split_hidden,
-)
+from hope.memory.cms import CMSLevel, chunk_grad_sums
+from hope.memory.cms_chain import CMS, split_hidden
 from hope.memory.cms_naive import naive_online_chain, naive_online_level
 from hope.memory.fast_state import restore_state
 from hope.model.config import ModelConfig

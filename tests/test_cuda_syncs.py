@@ -13,8 +13,8 @@ import torch
 import hope
 from hope.bench.measure import CudaKernelCounter
 from hope.optim.outer import build_optimizer
-from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler
+from hope.train.step import train_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -12,7 +12,7 @@ import hope
 from conftest import tiny_lm
 from hope.bench.measure import count_host_syncs
 from hope.optim.outer import build_optimizer
-from hope.train.loop import evaluate_loss, micro_slices, train_step
+from hope.train.step import evaluate_loss, micro_slices, train_step
 
 F64 = torch.float64
 

@@ -21,8 +21,8 @@ from hope.model.hope import HopeBlock, HopeLM
 from hope.model.lm import LMState
 from hope.model.teach import teach_forward, teach_signal
 from hope.optim.outer import build_optimizer
-from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler
+from hope.train.step import train_step
 
 VOCAB = 64
 T = 13  # odd: a partial final piece and pending CMS tokens at the end

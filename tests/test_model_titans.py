@@ -15,7 +15,7 @@ from hope.model.lm import LanguageModel
 from hope.model.sliding_attention import PersistentAttention, sliding_window_mask
 from hope.model.titans import TitansMACBlock, TitansState
 from hope.optim.outer import build_optimizer
-from hope.train.loop import train_step
+from hope.train.step import train_step
 
 VOCAB = 64
 VARIANTS = ["titans_lmm", "titans_mal", "titans_mag", "titans_mac"]

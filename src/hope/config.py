@@ -14,197 +14,43 @@ import difflib
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from hope.config_sections import (
+    BenchConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    OptimConfig,
+    RecallConfig,
+    ReleaseConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
 from hope.errors import ConfigError
-from hope.model.config import ModelConfig
+
+__all__ = [
+    "BenchConfig",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "OptimConfig",
+    "PRESET_DIR",
+    "RecallConfig",
+    "ReleaseConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+    "all_keys",
+    "available_presets",
+    "config_from_dict",
+    "load_config",
+    "save_config",
+]
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
-
-
-@dataclass
-class DataConfig:
-    source: Literal["builtin", "hf", "local"] = "builtin"
-    hf_name: str = "HuggingFaceFW/fineweb-edu"
-    hf_config: str | None = "sample-10BT"
-    hf_split: str = "train"
-    text_column: str = "text"
-    streaming: bool = True
-    max_documents: int = 0  # 0: no limit
-    local_glob: str = ""
-    min_chars: int = 64
-    max_chars: int = 200_000
-    dedup: bool = True
-    val_fraction: float = 0.1
-    split_seed: int = 0
-    seq_len: int = 128
-
-
-@dataclass
-class TokenizerConfig:
-    model_type: Literal["unigram", "bpe"] = "unigram"
-    vocab_size: int = 4096
-    byte_fallback: bool = True
-    character_coverage: float = 0.9995
-    num_threads: int = 1
-    max_sentence_length: int = 16384
-
-
-@dataclass
-class OptimConfig:
-    name: Literal["adamw", "muon", "m3"] = "adamw"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 25
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    # Muon hybrid (name=muon): torch.optim.Muon on 2-D hidden matrices with its own
-    # lr and decoupled decay; AdamW (lr above) on the rest (MECHANISMS §6).
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.01
-    # M3 hybrid (name=m3; NL-arXiv Alg. 1, MECHANISMS §6). beta1/beta2 above are
-    # M3's beta1/beta2; its update O/(sqrt(V)+eps) scales like 1/|g|, hence its own lr.
-    m3_lr: float = 1e-3
-    m3_weight_decay: float = 0.0  # coupled: added to the gradient
-    m3_beta3: float = 0.9
-    m3_alpha: float = 1.0
-    m3_slow_every: int = 50
-    m3_ns_steps: int = 3
-    m3_ema_v: bool = False  # V <- beta2 V + (1-beta2) g^2 instead of the literal V += beta2 g^2
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 250
-    batch_size: int = 16
-    # Rows per forward/backward (gradient accumulation; the step's gradient is the
-    # whole batch's); None = the whole batch at once.
-    micro_batch_size: int | None = None
-    # Data parallelism (DDP through torchrun, hope.train.distributed): processes per
-    # node and nodes; the global batch (train.batch_size) is split over all of them.
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    seed: int = 0
-    # The numerics of a run (train and eval; hope.train.device.configure_numerics).
-    # Every one of them changes the numbers, so none is left to the machine:
-    # device "auto" is resolved at start and recorded in train.json's "runtime".
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when available)
-    precision: Literal["auto", "fp32", "bf16"] = "fp32"  # fp32 is strict (no TF32)
-    # torch intra-op threads: CPU reductions are split per thread, so another count
-    # gives (slightly) other numbers. Snakemake rules request this many cores.
-    num_threads: int = 2
-    # torch.use_deterministic_algorithms (+ cuDNN/cuBLAS determinism on CUDA).
-    deterministic: bool = True
-    # Memory-write backend (hope.memory.ops.dispatch): "compile" runs the memories'
-    # chunk steps through torch.compile (same values); "fla" needs CUDA + fla.
-    memory_backend: Literal["torch", "compile", "fla"] = "torch"
-    checkpoint_every: int = 100
-    # Checkpoints kept (newest first); a corrupt newest one falls back to the next.
-    keep_checkpoints: int = 2
-    # On a non-finite loss (checked at each log/validation/checkpoint step, before
-    # anything is saved): stop with the last good checkpoint intact, or rewind to it
-    # with the learning rate times nan_lr_factor, at most nan_max_rewinds times.
-    nan_policy: Literal["stop", "rewind"] = "stop"
-    nan_lr_factor: float = 0.5
-    nan_max_rewinds: int = 3
-    log_every: int = 10
-    val_every: int = 50
-    val_batches: int = 8
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "hope-nl"
-
-
-@dataclass
-class EvalConfig:
-    batch_size: int = 16
-    max_batches: int = 32
-    passkey_lengths: list[int] = field(default_factory=lambda: [64, 128])
-    passkey_trials: int = 16
-    passkey_candidates: int = 4
-    seed: int = 1234
-
-
-@dataclass
-class ReleaseConfig:
-    name: str = "hope-tiny"
-
-
-@dataclass
-class BenchConfig:
-    """The ``bench`` stage: one training step (forward, backward, AdamW) per variant
-    at fixed shapes (``tiny``: the preset's model; ``smoke``: the predecessor's smoke
-    shape, docs/ANCHORS.md "Speed"; ``pilot_chunks``: one layer with the pilot
-    preset's chunking at T = 1024; ``pilot``, a GPU shape: the pilot preset's dims in two
-    layers at T = 4096). See :mod:`hope.bench.run`."""
-
-    variants: list[str] = field(
-        default_factory=lambda: ["transformer", "hope_attention", "hope", "titans_mac"]
-    )
-    shapes: list[Literal["tiny", "smoke", "pilot_chunks", "pilot"]] = field(
-        default_factory=lambda: ["tiny", "smoke", "pilot_chunks"]
-    )
-    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4, pilot_chunks 1, pilot 4
-    warmup: int = 2
-    steps: int = 5
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (recorded in bench.json's machine)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    num_threads: int = 2  # torch intra-op threads while measuring (as train.num_threads)
-    memory_backend: Literal["torch", "compile", "fla"] = "torch"  # as train.memory_backend
-    # Presets whose GPU step time is projected from counted launches and FLOPs
-    # (hope.bench.projection); each variant costs four launch counts at its chunking:
-    # seconds for pilot, up to a minute for hope at mid/target (CMS period 1024).
-    project_presets: list[Literal["pilot", "mid", "target"]] = field(
-        default_factory=lambda: ["pilot", "mid", "target"]
-    )
-
-
-@dataclass
-class RecallConfig:
-    """The ``recall`` stage: multi-query associative recall (MQAR, Zoology), a small
-    synthetic training + eval per variant (:mod:`hope.eval.recall`). Every model
-    knob not set here comes from the ``model`` section (shell, mechanisms, chunking).
-    """
-
-    variants: list[str] = field(default_factory=lambda: ["transformer", "hope"])
-    steps: int = 200  # hope learns MQAR within this; the transformer needs more (README)
-    batch_size: int = 32
-    seq_len: int = 64  # input tokens per sequence
-    num_pairs: int = 8  # key-value pairs per sequence (chance = 1 / num_pairs)
-    vocab_size: int = 128  # keys from the lower half, values from the upper half
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 2
-    lr: float = 3e-3
-    eval_sequences: int = 256
-    eval_every: int = 50
-    seed: int = 0
-    num_threads: int = 2  # torch intra-op threads (as train.num_threads)
-
-
-@dataclass
-class Config:
-    preset: str = "tiny"
-    data: DataConfig = field(default_factory=DataConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    release: ReleaseConfig = field(default_factory=ReleaseConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
-    recall: RecallConfig = field(default_factory=RecallConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def available_presets() -> list[str]:

@@ -41,12 +41,13 @@ import torch
 from hope.bench import flops
 from hope.bench.measure import LaunchCounter
 from hope.config import Config, OptimConfig, load_config
-from hope.memory.cms import CMS, CMSLevel, prefers_dual_read, split_hidden
+from hope.memory.cms import CMSLevel, prefers_dual_read
+from hope.memory.cms_chain import CMS, split_hidden
 from hope.model.config import ModelConfig
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
-from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler
+from hope.train.step import train_step
 
 # name: (dense bf16 tensor-core peak FLOP/s, HBM bandwidth B/s), SXM parts, from
 # NVIDIA's data sheets (H200 SXM: 989 TFLOP/s, 4.8 TB/s; H100 SXM: 989, 3.35;

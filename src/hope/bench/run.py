@@ -61,8 +61,8 @@ from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.report.environment import collect_environment
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
-from hope.train.loop import train_step
 from hope.train.schedule import build_scheduler
+from hope.train.step import train_step
 
 log = logging.getLogger("hope.bench")
 

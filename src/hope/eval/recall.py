@@ -35,8 +35,8 @@ from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
-from hope.train.loop import autocast, train_step
 from hope.train.schedule import build_scheduler
+from hope.train.step import autocast, train_step
 
 log = logging.getLogger("hope.recall")
 

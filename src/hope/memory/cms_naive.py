@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from hope.memory.cms import CMS, CMSLevel
+from hope.memory.cms import CMSLevel
+from hope.memory.cms_chain import CMS
 from hope.memory.cms_state import LevelState
 
 

@@ -70,6 +70,34 @@ class SMTConfig:
     checkpoint_chunks: int
     init_std: float
 
+    def check(self) -> None:
+        """ValueError naming the ``model.*`` key of the first bad value."""
+        checks = [
+            (self.dim % self.n_heads == 0, f"model.dim={self.dim} not divisible by n_heads"),
+            (self.chunk >= 1, f"model.smt_chunk={self.chunk} must be >= 1"),
+            (
+                self.mem_chunk >= self.chunk and self.mem_chunk % self.chunk == 0,
+                f"model.smt_mem_chunk={self.mem_chunk} must be a multiple of "
+                f"model.smt_chunk={self.chunk}",
+            ),
+            (0.0 < self.retention_init < 1.0, "model.smt_retention_init must be in (0, 1)"),
+            (self.expansion >= 1, f"model.smt_expansion={self.expansion} must be >= 1"),
+            (self.conv_window >= 0, f"model.smt_conv_window={self.conv_window} must be >= 0"),
+            (self.write_grad_window >= 1, "model.write_grad_window must be >= 1"),
+            (
+                self.checkpoint_chunks >= 0,
+                f"model.smt_checkpoint_chunks={self.checkpoint_chunks} must be >= 0",
+            ),
+            (
+                self.write_grad in ("full", "truncated", "stopgrad"),
+                f"bad write_grad={self.write_grad!r}",
+            ),
+            (self.objective in ("l2", "dot"), f"bad model.smt_objective={self.objective!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 @dataclass(frozen=True)
 class TitansMemoryConfig:
@@ -84,3 +112,10 @@ class TitansMemoryConfig:
     write_grad: WriteGrad
     write_grad_window: int
     init_std: float
+
+    def check(self) -> None:
+        """ValueError naming the ``model.*`` key of the first bad value."""
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} not divisible by model.n_heads={self.n_heads}")
+        if self.chunk < 1:
+            raise ValueError(f"model.titans_chunk={self.chunk} must be >= 1")

@@ -28,8 +28,6 @@ state gets gradient only from the reads of the first C_m chunk.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -39,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hope.memory.config import SMTConfig
 from hope.memory.conv import CausalDepthwiseConv
-from hope.memory.ops.dispatch import compiled, dgd_write, resolve_backend
+from hope.memory.ops.dispatch import dgd_write, resolve_backend
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -50,6 +48,8 @@ from hope.memory.residual_mlp import (
     overshoot_ratio,
 )
 from hope.memory.smt_state import (
+    ChunkCarry,
+    ChunkLoop,
     Generated,
     MemoryGroup,
     SMTState,
@@ -61,35 +61,10 @@ from hope.memory.smt_state import (
 )
 
 
-def _validate(cfg: SMTConfig) -> None:
-    checks = [
-        (cfg.dim % cfg.n_heads == 0, f"model.dim={cfg.dim} not divisible by n_heads"),
-        (cfg.chunk >= 1, f"model.smt_chunk={cfg.chunk} must be >= 1"),
-        (
-            cfg.mem_chunk >= cfg.chunk and cfg.mem_chunk % cfg.chunk == 0,
-            f"model.smt_mem_chunk={cfg.mem_chunk} must be a multiple of "
-            f"model.smt_chunk={cfg.chunk}",
-        ),
-        (0.0 < cfg.retention_init < 1.0, "model.smt_retention_init must be in (0, 1)"),
-        (cfg.expansion >= 1, f"model.smt_expansion={cfg.expansion} must be >= 1"),
-        (cfg.conv_window >= 0, f"model.smt_conv_window={cfg.conv_window} must be >= 0"),
-        (cfg.write_grad_window >= 1, "model.write_grad_window must be >= 1"),
-        (
-            cfg.checkpoint_chunks >= 0,
-            f"model.smt_checkpoint_chunks={cfg.checkpoint_chunks} must be >= 0",
-        ),
-        (cfg.write_grad in ("full", "truncated", "stopgrad"), f"bad write_grad={cfg.write_grad!r}"),
-        (cfg.objective in ("l2", "dot"), f"bad model.smt_objective={cfg.objective!r}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-
-
 class SelfModifyingTitans(nn.Module):
     def __init__(self, cfg: SMTConfig):
         super().__init__()
-        _validate(cfg)
+        cfg.check()
         self.cfg = cfg
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         hidden = cfg.expansion * self.d_head
@@ -277,7 +252,7 @@ class SelfModifyingTitans(nn.Module):
         return new, step.read[:, (n - 1) * self.n_heads :]
 
     def _write_all(
-        self, stacks: dict[str, FastWeights], loop: _Loop, gen: Generated, keep: bool
+        self, stacks: dict[str, FastWeights], loop: ChunkLoop, gen: Generated, keep: bool
     ) -> Tensor:
         """C_o = C_m: write every group (in place in ``stacks``) and return the chunk's
         read o = M_mem(q) at the chunk-start state. With the graph kept, the read rides
@@ -319,11 +294,11 @@ class SelfModifyingTitans(nn.Module):
             assert tail is not None
             x, tail = self.conv(x, tail, pieces)
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
-        plan = self._plan(backend)
-        loop = _Loop.build(plan, backend, seq, pieces)
+        plan, step = self._plan(backend), SelfModifyingTitans
+        loop = ChunkLoop.build(plan, backend, seq, pieces, step._generate, step._write)
         mem_pending = [state.mem_pending] if state.mem_pending.length else []
         partial = state.partial if state.partial.length else None
-        carry = _Carry(
+        carry = ChunkCarry(
             {g.key: stack_group(state.memories, g) for g in plan}, mem_pending,
             state.mem_pending.length, state.chunks_done, partial,
         )  # fmt: skip
@@ -364,14 +339,14 @@ class SelfModifyingTitans(nn.Module):
         return self.w_o(out), new_state
 
     def _run_chunks(
-        self, start: _Carry, chunks: list[tuple[int, Tensor]], loop: _Loop
-    ) -> tuple[_Carry, list[Tensor]]:
+        self, start: ChunkCarry, chunks: list[tuple[int, Tensor]], loop: ChunkLoop
+    ) -> tuple[ChunkCarry, list[Tensor]]:
         """The chunk steps of ``chunks`` ((first token, x~ [B, H, C_o, d_h]) each) from
         ``start``, which is left as it was (a checkpointed segment reruns from it)."""
         carry = start.copy()
         return carry, [self._chunk_step(carry, first, xc, loop) for first, xc in chunks]
 
-    def _chunk_step(self, carry: _Carry, start: int, xc: Tensor, loop: _Loop) -> Tensor:
+    def _chunk_step(self, carry: ChunkCarry, start: int, xc: Tensor, loop: ChunkLoop) -> Tensor:
         """One C_o chunk: generate (eq. 83), read (eq. 94), write (eq. 88); updates
         ``carry`` in place and returns the read o [B, H, C_o, d_h]."""
         pieces, plan, flush, backend = loop.pieces, loop.plan, loop.flush, loop.backend
@@ -422,51 +397,3 @@ class SelfModifyingTitans(nn.Module):
         if self.cfg.write_grad == "truncated" and carry.chunks_done % window == 0:
             carry.stacks = {key: m.detach() for key, m in stacks.items()}
         return read
-
-
-@dataclass(frozen=True)
-class _Loop:
-    """What every chunk step of one forward call shares."""
-
-    plan: tuple[MemoryGroup, ...]
-    flush: MemoryGroup  # the group holding M_mem, written every C_m tokens
-    backend: str  # of each write; "torch" inside a compiled step
-    seq: int
-    pieces: PieceGrid | None
-    # SelfModifyingTitans._generate / ._write, or their torch.compile'd forms
-    generate: Callable[..., Generated]
-    write: Callable[..., tuple[FastWeights, Tensor | None]]
-
-    @classmethod
-    def build(
-        cls, plan: tuple[MemoryGroup, ...], backend: str, seq: int, pieces: PieceGrid | None
-    ) -> _Loop:
-        flush = next(g for g in plan if "mem" in g.names)
-        if backend != "compile":
-            step = SelfModifyingTitans
-            return cls(plan, flush, backend, seq, pieces, step._generate, step._write)
-        # Compile the chunk step's generation and writes (fused memory pass,
-        # factors, curvature and closed-form update in one graph each), not only
-        # the closed form (alone, that was no faster on a 2-core CPU).
-        generate = compiled(SelfModifyingTitans._generate)
-        return cls(
-            plan, flush, "torch", seq, pieces, generate, compiled(SelfModifyingTitans._write)
-        )
-
-
-@dataclass
-class _Carry:
-    """What the chunk loop carries from one C_o chunk to the next."""
-
-    stacks: dict[str, FastWeights]  # each group's stacked state, by group key
-    pending: list[Generated]  # C_o chunks generated since M_mem's last write
-    pending_len: int
-    chunks_done: int  # C_o chunks written so far (truncation windows)
-    partial: Generated | None  # a partial C_o chunk (read, written once complete)
-    live_from: int = 0  # pass A: first token whose contributions the memories hold in graph
-
-    def copy(self) -> _Carry:
-        return _Carry(
-            dict(self.stacks), list(self.pending), self.pending_len, self.chunks_done,
-            self.partial, self.live_from,
-        )  # fmt: skip

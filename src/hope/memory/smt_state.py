@@ -9,6 +9,7 @@ call serves them all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.memory.fast_state import where_samples
+from hope.memory.ops.dispatch import compiled
+from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import FastWeights
 
 
@@ -148,3 +151,53 @@ def unstack_group(fast: FastWeights, group: MemoryGroup, n_heads: int) -> dict[s
         w1, w2, m1, m2 = (p[i] for p in pieces)
         out[name] = FastWeights(w1[..., :d_out, :], w2, m1[..., :d_out, :], m2)
     return out
+
+
+@dataclass
+class ChunkCarry:
+    """What the chunk loop carries from one C_o chunk to the next."""
+
+    stacks: dict[str, FastWeights]  # each group's stacked state, by group key
+    pending: list[Generated]  # C_o chunks generated since M_mem's last write
+    pending_len: int
+    chunks_done: int  # C_o chunks written so far (truncation windows)
+    partial: Generated | None  # a partial C_o chunk (read, written once complete)
+    live_from: int = 0  # pass A: first token whose contributions the memories hold in graph
+
+    def copy(self) -> ChunkCarry:
+        return ChunkCarry(
+            dict(self.stacks), list(self.pending), self.pending_len, self.chunks_done,
+            self.partial, self.live_from,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChunkLoop:
+    """What every chunk step of one forward call shares."""
+
+    plan: tuple[MemoryGroup, ...]
+    flush: MemoryGroup  # the group holding M_mem, written every C_m tokens
+    backend: str  # of each write; "torch" inside a compiled step
+    seq: int
+    pieces: PieceGrid | None
+    # SelfModifyingTitans._generate / ._write, or their torch.compile'd forms
+    generate: Callable[..., Generated]
+    write: Callable[..., tuple[FastWeights, Tensor | None]]
+
+    @classmethod
+    def build(
+        cls,
+        plan: tuple[MemoryGroup, ...],
+        backend: str,
+        seq: int,
+        pieces: PieceGrid | None,
+        generate: Callable[..., Generated],
+        write: Callable[..., tuple[FastWeights, Tensor | None]],
+    ) -> ChunkLoop:
+        flush = next(g for g in plan if "mem" in g.names)
+        if backend != "compile":
+            return cls(plan, flush, backend, seq, pieces, generate, write)
+        # Compile the chunk step's generation and writes (fused memory pass,
+        # factors, curvature and closed-form update in one graph each), not only
+        # the closed form (alone, that was no faster on a 2-core CPU).
+        return cls(plan, flush, "torch", seq, pieces, compiled(generate), compiled(write))

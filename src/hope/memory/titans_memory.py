@@ -149,10 +149,7 @@ class NeuralMemoryState:
 class NeuralMemory(nn.Module):
     def __init__(self, cfg: TitansMemoryConfig):
         super().__init__()
-        if cfg.dim % cfg.n_heads:
-            raise ValueError(f"model.dim={cfg.dim} not divisible by model.n_heads={cfg.n_heads}")
-        if cfg.chunk < 1:
-            raise ValueError(f"model.titans_chunk={cfg.chunk} must be >= 1")
+        cfg.check()
         self.cfg = cfg
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         self.w_qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hope.layers import RMSNorm
-from hope.memory.cms import CMS
+from hope.memory.cms_chain import CMS
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import detach_state
 from hope.memory.pieces import PieceGrid

@@ -1,0 +1,100 @@
+"""One optimizer step and one loss evaluation, with micro-batching and mixed precision.
+
+``train_step`` is the whole training step (no host sync: the loss stays on the device);
+``evaluate_loss`` the validation mean; both split a batch into micro-batches of rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from hope.model.lm import LanguageModel
+
+
+def autocast(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def micro_slices(rows: int, micro_batch: int | None) -> list[slice]:
+    """Row slices of a batch of ``rows`` in micro-batches of ``micro_batch`` (the last may
+    be smaller; None: one slice). Static Python ints: no device reads."""
+    size = rows if micro_batch is None else micro_batch
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def train_step(
+    model: LanguageModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    grad_clip: float,
+    amp_dtype: torch.dtype | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    micro_batch: int | None = None,
+    ddp: DistributedDataParallel | None = None,
+) -> torch.Tensor:
+    """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device.
+
+    ``loss_fn(x, y)`` replaces ``model.training_loss`` (e.g. a loss on some positions only);
+    either must be a mean over rows of equal weight. ``micro_batch``: gradient
+    accumulation over row slices of that size, each weighted by its share of the rows,
+    so the gradient is the whole batch's (fast state is per sample: the slices are
+    independent) and only one slice's activations are alive at a time. ``ddp``: the
+    DistributedDataParallel wrapper of the loss (``hope.train.distributed``); gradients
+    are averaged over ranks once, at the last slice.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    rows = x.shape[0]
+    total: torch.Tensor | None = None
+    parts = micro_slices(rows, micro_batch)
+    compute = ddp if ddp is not None else (loss_fn or model.training_loss)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        no_sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
+        with no_sync:
+            with autocast(x.device, amp_dtype):
+                loss = compute(x[part], y[part])
+            weight = (part.stop - part.start) / rows
+            (loss * weight if weight != 1.0 else loss).backward()
+        share = loss.detach() * weight
+        total = share if total is None else total + share
+    assert total is not None
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return total
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: LanguageModel,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    micro_batch: int | None = None,
+) -> torch.Tensor:
+    """Mean CE per target token over the batches (the last may be smaller), on device;
+    each batch in row slices of ``micro_batch`` (bounded memory, same value)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = 0
+    for x, y in batches:
+        for part in micro_slices(x.shape[0], micro_batch):
+            with autocast(device, amp_dtype):
+                loss = model.training_loss(x[part].to(device), y[part].to(device))
+            total += loss.double() * y[part].numel()
+            count += y[part].numel()
+    model.train(was_training)
+    return total / max(1, count)
