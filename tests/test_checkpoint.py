@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 
 import hope
 from hope.errors import StageError
+from hope.io import atomic_write
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train.schedule import build_scheduler
@@ -99,3 +102,28 @@ def test_missing_or_corrupt_checkpoints_raise_stage_errors(tmp_path: Path) -> No
     (tmp_path / "step_0000003.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(StageError, match="step_0000003.pt"):
         ckpt.load_model(tmp_path)
+
+
+def test_disk_full_during_an_atomic_write_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "report.json"
+    target.write_text("old")
+
+    def fill(tmp: Path) -> None:
+        tmp.write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(StageError, match="report.json: no space left on the device"):
+        atomic_write(target, fill)
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["report.json"]
+
+
+def test_a_rewrite_removes_what_a_killed_write_of_that_file_left(tmp_path: Path) -> None:
+    """A killed writer leaves its temp file (or a bundle's temp folder) beside the
+    target; the next write of that target removes it, and nothing of other targets."""
+    target = tmp_path / "a.json"
+    (tmp_path / ".a.json.k3j9x_2q.tmp").write_text("partial")
+    (tmp_path / ".a.json.old-123").mkdir()
+    (tmp_path / ".b.json.k3j9x_2q.tmp").write_text("another target's")
+    atomic_write(target, lambda tmp: tmp.write_text("new"))
+    assert sorted(os.listdir(tmp_path)) == [".b.json.k3j9x_2q.tmp", "a.json"]
+    assert target.read_text() == "new"

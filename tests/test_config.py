@@ -141,3 +141,42 @@ def test_paper_presets_match_the_papers_model_sizes(
 def test_exact_online_hope_takes_smt_chunks_off_the_cms_grid() -> None:
     coarse = ["model.smt_mem_chunk=32", "model.smt_chunk=16", "model.cms_mode=exact_online"]
     assert load_config(PARAMS, coarse).model.smt_mem_chunk == 32  # the SMT streams any split
+
+
+@pytest.mark.parametrize("key", all_keys())
+def test_every_knob_refuses_a_value_of_the_wrong_type_naming_itself(key: str) -> None:
+    """A mapping fits no knob (every knob is a scalar, a list or a literal)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(PARAMS, [f"{key}={{bad: 1}}"])
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+# (override, what the one-line error must name): ranges and cross-field conflicts.
+BAD_VALUES = [
+    ("model.dim=0", "model.dim"),
+    ("model.n_heads=3", "divisible"),
+    ("model.cms_periods=[]", "cms_periods"),
+    ("model.cms_periods=[16, 24]", "cms_periods"),
+    ("model.smt_chunk=0", "smt_chunk"),
+    ("model.smt_mem_chunk=24", "smt_mem_chunk"),
+    ("model.titans_depth=0", "titans_depth"),
+    ("model.variant=titan", "model.variant"),
+    ("model.cms_rule=adam", "model.cms_rule"),
+    ("optim.lr=-1", "optim.lr"),
+    ("data.seq_len=0", "data.seq_len"),
+    ("data.val_fraction=1.5", "data.val_fraction"),
+    ("train.batch_size=0", "train.batch_size"),
+    ("train.micro_batch_size=64", "train.micro_batch_size"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+    ("train.checkpoint_every=0", "train.checkpoint_every"),
+    ("train.nan_lr_factor=1.5", "train.nan_lr_factor"),
+    ("train.nproc_per_node=0", "train.nproc_per_node"),
+    ("preset=huge", "unknown preset"),
+]
+
+
+@pytest.mark.parametrize(("override", "named"), BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_bad_values_and_conflicts_are_one_line_naming_the_knob(override: str, named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(PARAMS, [override])
+    assert named in str(info.value) and "\n" not in str(info.value)

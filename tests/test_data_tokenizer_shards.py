@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from hope.config import Config, TokenizerConfig
+from hope.data import shards as shards_module
 from hope.data.download import iter_jsonl_texts, run_download
 from hope.data.shards import ShardedTokens, load_split, token_dtype, write_shards
 from hope.data.tokenizer import SPECIAL_IDS, load_tokenizer, measure_coverage, train_tokenizer
@@ -191,6 +193,26 @@ def shard_copy(shard_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "shards"
     shutil.copytree(shard_dir, copy)
     return copy
+
+
+def test_disk_full_during_sharding_leaves_no_partial_file(
+    raw_dir: Path, tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real, calls = shards_module._ShardWriter.write, [0]
+
+    def write(self, tokens):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 2:  # one batch is on disk, then the disk fills
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, tokens)
+
+    monkeypatch.setattr(shards_module._ShardWriter, "write", write)
+    with pytest.raises(StageError, match=r"(train|val)_\*\.bin: no space left on the device"):
+        write_shards(tok_dir / "spm.model", raw_dir, tmp_path, shard_tokens=5000)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in left if n.endswith(".tmp")] and "manifest.json" not in left
+    with pytest.raises(StageError, match="manifest"):  # nothing half-written is readable
+        load_split(tmp_path, "train")
 
 
 def test_corrupt_shard_is_named(shard_copy: Path) -> None:

@@ -6,17 +6,23 @@ pytest-xdist a file runs on one worker, so that run happens once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import random
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import CI_RUN, ROOT, copy_repo, run, set_params
+from conftest import CI_RUN, ROOT, copy_repo, pipeline_env, run, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -203,3 +209,57 @@ def test_readme_hope_commands_use_the_release(dvc_repo: Path) -> None:
     assert continued.startswith("The download")
     assert "ok    torch:" in doctor
     assert yaml.safe_load(params)["preset"] == "pilot"
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (a stage's output folder), by relative path."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+# Stage -> the outputs whose bytes an uninterrupted run fixes (eval's report also holds
+# timings, so its numbers are compared instead).
+KILLED_STAGES = {
+    "download": ["data/raw"],
+    "tokenizer": ["data/tokenizer"],
+    "shard": ["data/shards"],
+    "eval": [],
+    "release": ["release/model.safetensors"],
+}
+
+
+def test_stages_killed_at_random_moments_rerun_to_the_same_outputs(
+    dvc_repo: Path, tmp_path: Path
+) -> None:
+    """SIGKILL each data/eval/release stage at a random moment of its run (drawn over the
+    length of an uninterrupted run), then run the same command again: the outputs equal
+    those `make repro` wrote, byte for byte (eval: the same numbers)."""
+    work = tmp_path / "kill"
+    shutil.copytree(dvc_repo, work, ignore=shutil.ignore_patterns(".dvc", ".git"))
+    before = {s: {o: _tree_digest(work / o) if (work / o).is_dir()
+                  else hashlib.sha256((work / o).read_bytes()).hexdigest() for o in outs}
+              for s, outs in KILLED_STAGES.items()}  # fmt: skip
+    evaluation = _json(work / "reports/eval.json")
+    rng = random.Random(0)
+    for stage in KILLED_STAGES:
+        command = [sys.executable, f"stages/{stage}.py"]
+        started = time.perf_counter()
+        run(command, work)
+        duration = time.perf_counter() - started
+        with subprocess.Popen(
+            command, cwd=work, env=pipeline_env(work), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        ) as proc:  # fmt: skip
+            time.sleep(rng.uniform(0.3, 1.0) * duration)
+            os.killpg(proc.pid, signal.SIGKILL)
+        run(command, work)  # the same command again completes
+        after = {o: _tree_digest(work / o) if (work / o).is_dir()
+                 else hashlib.sha256((work / o).read_bytes()).hexdigest()
+                 for o in KILLED_STAGES[stage]}  # fmt: skip
+        assert after == before[stage], stage
+    again = _json(work / "reports/eval.json")
+    assert again["val"] == evaluation["val"] and again["passkey"] == evaluation["passkey"]
+    run([sys.executable, "stages/release.py", "--verify", "release"], work)

@@ -229,14 +229,25 @@ def _rule_knob_errors(name: str, momentum: float, erase: float, width: int = 0) 
 
 def _validate(cfg: Config) -> None:
     m, d = cfg.model, cfg.data
+    sizes = {"dim": m.dim, "n_heads": m.n_heads, "n_layers": m.n_layers,
+             "smt_chunk": m.smt_chunk, "titans_chunk": m.titans_chunk}  # fmt: skip
     checks = [
-        (m.dim % m.n_heads == 0, "model.dim must be divisible by model.n_heads"),
+        *((value >= 1, f"model.{name}={value} must be >= 1") for name, value in sizes.items()),
+        (m.n_heads < 1 or m.dim % m.n_heads == 0, "model.dim must be divisible by model.n_heads"),
         (all(p > 0 for p in m.cms_periods), "model.cms_periods must be positive"),
+        (
+            bool(m.cms_periods) or m.variant not in ("hope", "hope_attention"),
+            f"model.cms_periods is empty: variant {m.variant!r} needs at least one CMS level",
+        ),
+        (cfg.optim.lr > 0, f"optim.lr={cfg.optim.lr} must be > 0"),
         (
             all(p % m.cms_periods[0] == 0 for p in m.cms_periods) if m.cms_periods else True,
             "model.cms_periods: every period must be a multiple of the first",
         ),
-        (m.smt_mem_chunk % m.smt_chunk == 0, "model.smt_mem_chunk must be a multiple of smt_chunk"),
+        (
+            m.smt_chunk < 1 or m.smt_mem_chunk % m.smt_chunk == 0,
+            "model.smt_mem_chunk must be a multiple of smt_chunk",
+        ),
         (
             m.smt_checkpoint_chunks >= 0,
             f"model.smt_checkpoint_chunks={m.smt_checkpoint_chunks} must be >= 0",

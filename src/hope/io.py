@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from hope.errors import StageError
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space_error(path: Path, err: OSError) -> StageError:
+    """The one-line error for a write that ran out of disk space (or quota)."""
+    return StageError(
+        f"{path}: no space left on the device while writing it ({err.strerror}); "
+        "the partial file was removed and any previous version is intact: free space "
+        "and rerun"
+    )
 
 
 def _current_umask() -> int:
@@ -20,10 +35,30 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
+def remove_stale_temps(target: Path) -> None:
+    """Delete what killed writers of ``target`` left beside it: our temp names
+    ``.<name>.<8 random chars>.tmp`` (files or folders, from ``tempfile``) and
+    ``.<name>.old-<pid>`` folders. Only the target's own writer calls this (one writer
+    per output: a DVC stage, rank 0, the checkpoint folder's lock), so no live write is
+    touched; without it a killed run's litter would stay in (and change the hash of)
+    the output folder."""
+    parent = Path(target).parent
+    if not parent.is_dir():
+        return
+    name = Path(target).name
+    for stale in [*parent.glob(f".{name}.{'?' * 8}.tmp"), *parent.glob(f".{name}.old-*")]:
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Call ``write(tmp)`` on a temp file beside ``path``, fsync it, then rename over ``path``."""
+    """Call ``write(tmp)`` on a temp file beside ``path``, fsync it, then rename over ``path``
+    (first removing what a killed earlier write of ``path`` left)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -33,8 +68,10 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in NO_SPACE:
+            raise no_space_error(path, err) from None
         raise
 
 

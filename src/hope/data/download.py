@@ -34,7 +34,7 @@ from typing import Any
 from hope.config import Config, DataConfig, save_config
 from hope.data.sources import describe_source, iter_documents
 from hope.errors import StageError
-from hope.io import atomic_write_json
+from hope.io import atomic_write_json, remove_stale_temps
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
@@ -54,6 +54,7 @@ class _AtomicJsonl:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        remove_stale_temps(path)
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         self.tmp = Path(name)
         self.handle: io.BufferedWriter = os.fdopen(fd, "wb")

@@ -26,7 +26,13 @@ import numpy as np
 from hope.data.download import SPLITS, iter_jsonl_texts
 from hope.data.tokenizer import load_tokenizer
 from hope.errors import StageError
-from hope.io import atomic_write_json, sha256_file
+from hope.io import (
+    NO_SPACE,
+    atomic_write_json,
+    no_space_error,
+    remove_stale_temps,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 SHARD_TOKENS = 2**27  # 256 MiB of uint16 per file
@@ -118,6 +124,8 @@ def write_shards(
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("*.bin"):  # a previous run may have had more shards
         stale.unlink()
+    for split in SPLITS:  # and a killed one, a temp shard
+        remove_stale_temps(out_dir / split)
     (out_dir / "manifest.json").unlink(missing_ok=True)
     splits: dict[str, Any] = {}
     for split in SPLITS:
@@ -135,8 +143,10 @@ def write_shards(
                 writer.write(np.insert(flat, np.cumsum(lengths), eos))
                 documents += len(batch)
             shards = writer.finish()
-        except BaseException:
+        except BaseException as err:
             writer.abort()
+            if isinstance(err, OSError) and err.errno in NO_SPACE:
+                raise no_space_error(out_dir / f"{split}_*.bin", err) from None
             raise
         splits[split] = {
             "documents": documents,

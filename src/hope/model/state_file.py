@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hope.io import remove_stale_temps
 from hope.memory.fast_state import map_tensors
 from hope.model.lm import LanguageModel, LMState
 
@@ -62,6 +63,7 @@ def save_state_file(model: LanguageModel, state: LMState, path: Path) -> None:
     _flatten(state, "state", tensors, meta)
     metadata = {_META_STATE: json.dumps(meta), _META_MODEL: model_fingerprint(model)}
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

@@ -30,7 +30,13 @@ from torch import nn
 
 from hope.config import Config, config_from_dict, save_config
 from hope.errors import StageError
-from hope.io import atomic_write, atomic_write_json, atomic_write_text, sha256_file
+from hope.io import (
+    atomic_write,
+    atomic_write_json,
+    atomic_write_text,
+    remove_stale_temps,
+    sha256_file,
+)
 from hope.report.environment import collect_environment
 
 WEIGHTS = "model.safetensors"
@@ -303,6 +309,7 @@ def build_bundle(
     """Build the release bundle into ``out_dir`` (replacing any old one); returns ``out_dir``."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)  # what a killed earlier build left beside ``out``
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         _fill_bundle(tmp, cfg, Path(ckpt_dir), Path(tokenizer_dir), Path(reports_dir))
