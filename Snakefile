@@ -132,6 +132,7 @@ rule bench:
         PRESET,
     output:
         "reports/bench.json",
+        "reports/bench_meta.json",
     threads: CFG.bench.num_threads
     shell:
         "python stages/bench.py"

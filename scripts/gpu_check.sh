@@ -59,9 +59,11 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {torch.cuda
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || { note "no CUDA device visible to torch"; exit 1; }
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
-# The bench stage writes reports/bench.json: keep the checkout's own and restore it.
+# The bench stage writes reports/bench{,_meta}.json: keep the checkout's own and restore them.
 kept=$(mktemp)
+kept_meta=$(mktemp)
 cp reports/bench.json "$kept" 2>/dev/null || true
+cp reports/bench_meta.json "$kept_meta" 2>/dev/null || true
 
 part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
 part compile_parity 180 python -m pytest -q -p no:cacheprovider \
@@ -82,6 +84,7 @@ bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.js
     --set bench.device=cuda --set bench.precision=bf16 --set bench.warmup=1 --set bench.steps=3 \
     --set 'bench.project_presets=[]' "$@"
   [ -f reports/bench.json ] && cp reports/bench.json "$out/bench_$name.json"
+  [ -f reports/bench_meta.json ] && cp reports/bench_meta.json "$out/bench_${name}_meta.json"
 }
 bench pilot_chunks --set 'bench.shapes=[pilot_chunks]'
 bench pilot --set 'bench.shapes=[pilot]'
@@ -120,7 +123,9 @@ for name in ("pilot_chunks", "pilot", "pilot_compile"):
                 f"peak {row['peak_mem_mb']:>8.0f} MB  launches {row['launches_per_step']}  "
                 f"syncs {row['host_syncs_per_step']}"
             )
-    for shape, skipped in report.get("skipped", {}).items():
+    meta_path = out / f"bench_{name}_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    for shape, skipped in meta.get("skipped", {}).items():
         for variant, reason in skipped.items():
             print(f"{name:13s} {variant:15s} skipped: {reason}")
 projected = out / "projection.json"
@@ -137,6 +142,7 @@ if projected.exists() and measured.exists():
               f"{h200['floor_ms']:>7.1f} ms measured {got} ms  measured/eager {ratio}")
 PY
 [ -s "$kept" ] && cp "$kept" reports/bench.json
-rm -f "$kept"
+[ -s "$kept_meta" ] && cp "$kept_meta" reports/bench_meta.json
+rm -f "$kept" "$kept_meta"
 note "gpu_check: exit $status"
 exit "$status"

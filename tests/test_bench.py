@@ -45,7 +45,9 @@ def small_cfg(*extra: str) -> Config:
 def test_report_rows_are_finite_positive_and_relative_to_transformer(tmp_path: Path) -> None:
     cfg = small_cfg("bench.variants=[transformer,hope_attention,no_such_variant]", *CLASSIC_SHELL)
     report = bench_run.run_bench(cfg, tmp_path / "bench.json", isolate=False)
-    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    metrics, meta = bench_run.split_report(report)
+    assert json.loads((tmp_path / "bench.json").read_text()) == metrics
+    assert json.loads((tmp_path / "bench_meta.json").read_text()) == meta
     rows = report["tiny"]
     assert set(rows) == {"transformer", "hope_attention"}
     for variant, row in rows.items():
@@ -263,6 +265,15 @@ def test_bad_bench_knobs_name_the_key(tmp_path: Path) -> None:
         load_config(PARAMS, ["bench.shapes=[huge]"])
 
 
+def _strings(tree: object, path: str = "") -> list[str]:
+    """Paths of the non-numeric leaves of a JSON tree (None counts as a number: n/a)."""
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in _strings(v, f"{path}.{k}")]
+    if isinstance(tree, list):
+        return [p for i, v in enumerate(tree) for p in _strings(v, f"{path}[{i}]")]
+    return [] if tree is None or isinstance(tree, (int, float)) else [path]
+
+
 def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) -> None:
     # The ambient thread count (2) loses to the params' (1).
     env = {**os.environ, "OMP_NUM_THREADS": "2", "WANDB_MODE": "disabled"}
@@ -275,16 +286,21 @@ def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) 
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "reports/bench.json").read_text())
+    meta = json.loads((tmp_path / "reports/bench_meta.json").read_text())
     assert "bench tiny/transformer" in proc.stdout
-    assert set(report) == {"machine", "tiny", "smoke", "skipped", "config", "wall_s", "projection"}
-    assert report["projection"]["presets"] == {}
-    assert report["skipped"] == {}
+    # Numbers only in the metrics file (`dvc metrics show` reads it as a table);
+    # the machine, config, skipped variants and constants beside it.
+    assert set(report) == {"tiny", "smoke", "wall_s", "projection"}
+    assert set(meta) == {"machine", "config", "skipped", "precision", "projection_constants"}
+    assert not _strings(report), _strings(report)
+    assert report["projection"]["presets"] == {} and meta["skipped"] == {}
+    assert meta["precision"]["tiny"]["transformer"] == "fp32"
     for shape, tokens in (("tiny", 2 * 16), ("smoke", 4 * 64)):
         row = report[shape]["transformer"]
         assert row["peak_mem_mb"] >= row["mem_baseline_mb"] > 0
         assert row["host_syncs_per_step"] == 0
         assert row["tokens_per_s"] == pytest.approx(tokens / (row["step_ms"] / 1e3))
-    assert report["machine"]["torch_threads"] == 1  # from the measuring subprocess's params
+    assert meta["machine"]["torch_threads"] == 1  # from the measuring subprocess's params
     assert report["smoke"]["transformer"]["params"] > 32_000 * 128
 
 

@@ -328,8 +328,37 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
         "shapes_used": {name: shape.record() for name, shape in shapes.items()},
     }
     report["wall_s"] = time.perf_counter() - started
-    atomic_write_json(Path(out_path), report)
+    metrics, meta = split_report(report)
+    atomic_write_json(Path(out_path), metrics)
+    atomic_write_json(meta_path(Path(out_path)), meta)
     return report
+
+
+META_KEYS = ("machine", "config", "skipped")
+
+
+def meta_path(metrics_path: Path) -> Path:
+    """The records beside the metrics file: ``reports/bench.json`` -> ``bench_meta.json``."""
+    return metrics_path.with_name(f"{metrics_path.stem}_meta.json")
+
+
+def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, records): numbers only for ``dvc metrics show/diff`` (shape -> variant ->
+    measurement, wall time, projected GPU steps); the machine, the bench config, skipped
+    variants, each row's precision and the projection's constants go beside them."""
+    metrics = {k: v for k, v in report.items() if k not in META_KEYS}
+    meta = {k: report[k] for k in META_KEYS}
+    meta["precision"] = {}
+    for shape in report["config"]["shapes"]:
+        rows = metrics.get(shape, {})
+        meta["precision"][shape] = {v: row["precision"] for v, row in rows.items()}
+        metrics[shape] = {
+            v: {k: x for k, x in row.items() if k != "precision"} for v, row in rows.items()
+        }
+    projection = dict(metrics["projection"])
+    meta["projection_constants"] = projection.pop("constants")
+    metrics["projection"] = projection
+    return metrics, meta
 
 
 def _project(
