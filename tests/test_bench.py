@@ -19,6 +19,7 @@ from conftest import CLASSIC_SHELL
 from hope.bench import flops
 from hope.bench import run as bench_run
 from hope.bench.measure import LaunchCounter, count_host_syncs
+from hope.bench.report_files import split_report
 from hope.config import Config, load_config
 from hope.errors import ConfigError
 from hope.memory.ops import dispatch
@@ -45,7 +46,7 @@ def small_cfg(*extra: str) -> Config:
 def test_report_rows_are_finite_positive_and_relative_to_transformer(tmp_path: Path) -> None:
     cfg = small_cfg("bench.variants=[transformer,hope_attention,no_such_variant]", *CLASSIC_SHELL)
     report = bench_run.run_bench(cfg, tmp_path / "bench.json", isolate=False)
-    metrics, meta = bench_run.split_report(report)
+    metrics, meta = split_report(report)
     assert json.loads((tmp_path / "bench.json").read_text()) == metrics
     assert json.loads((tmp_path / "bench_meta.json").read_text()) == meta
     rows = report["tiny"]

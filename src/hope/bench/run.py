@@ -53,6 +53,7 @@ import torch
 
 from hope.bench import flops, projection
 from hope.bench import measure as m
+from hope.bench.report_files import meta_path, split_report
 from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
 from hope.io import atomic_write_json
@@ -332,33 +333,6 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
     atomic_write_json(Path(out_path), metrics)
     atomic_write_json(meta_path(Path(out_path)), meta)
     return report
-
-
-META_KEYS = ("machine", "config", "skipped")
-
-
-def meta_path(metrics_path: Path) -> Path:
-    """The records beside the metrics file: ``reports/bench.json`` -> ``bench_meta.json``."""
-    return metrics_path.with_name(f"{metrics_path.stem}_meta.json")
-
-
-def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(metrics, records): numbers only for ``dvc metrics show/diff`` (shape -> variant ->
-    measurement, wall time, projected GPU steps); the machine, the bench config, skipped
-    variants, each row's precision and the projection's constants go beside them."""
-    metrics = {k: v for k, v in report.items() if k not in META_KEYS}
-    meta = {k: report[k] for k in META_KEYS}
-    meta["precision"] = {}
-    for shape in report["config"]["shapes"]:
-        rows = metrics.get(shape, {})
-        meta["precision"][shape] = {v: row["precision"] for v, row in rows.items()}
-        metrics[shape] = {
-            v: {k: x for k, x in row.items() if k != "precision"} for v, row in rows.items()
-        }
-    projection = dict(metrics["projection"])
-    meta["projection_constants"] = projection.pop("constants")
-    metrics["projection"] = projection
-    return metrics, meta
 
 
 def _project(

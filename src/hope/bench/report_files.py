@@ -1,0 +1,36 @@
+"""What the bench stage writes: numbers for DVC, records beside them.
+
+``reports/bench.json`` is a DVC metric, so it holds numbers only and ``dvc metrics
+show/diff`` read it as a table; ``reports/bench_meta.json`` keeps the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+META_KEYS = ("machine", "config", "skipped")
+
+
+def meta_path(metrics_path: Path) -> Path:
+    """The records beside the metrics file: ``reports/bench.json`` -> ``bench_meta.json``."""
+    return metrics_path.with_name(f"{metrics_path.stem}_meta.json")
+
+
+def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, records): numbers only for ``dvc metrics show/diff`` (shape -> variant ->
+    measurement, wall time, projected GPU steps); the machine, the bench config, skipped
+    variants, each row's precision and the projection's constants go beside them."""
+    metrics = {k: v for k, v in report.items() if k not in META_KEYS}
+    meta = {k: report[k] for k in META_KEYS}
+    meta["precision"] = {}
+    for shape in report["config"]["shapes"]:
+        rows = metrics.get(shape, {})
+        meta["precision"][shape] = {v: row["precision"] for v, row in rows.items()}
+        metrics[shape] = {
+            v: {k: x for k, x in row.items() if k != "precision"} for v, row in rows.items()
+        }
+    projection = dict(metrics["projection"])
+    meta["projection_constants"] = projection.pop("constants")
+    metrics["projection"] = projection
+    return metrics, meta
