@@ -79,6 +79,7 @@ rule train:
     output:
         directory("models/checkpoints"),
         "reports/train.json",
+        "reports/train_meta.json",
         "reports/train_log.tsv",
     threads: CFG.train.num_threads
     shell:
@@ -93,6 +94,7 @@ rule eval:
         "data/tokenizer/spm.model",
     output:
         "reports/eval.json",
+        "reports/eval_meta.json",
         "reports/eval_config.yaml",
     threads: CFG.train.num_threads
     shell:
@@ -118,7 +120,9 @@ rule release:
         "models/checkpoints",
         "data/tokenizer/spm.model",
         "reports/train.json",
+        "reports/train_meta.json",
         "reports/eval.json",
+        "reports/eval_meta.json",
     output:
         "release/MANIFEST",
     shell:
@@ -149,6 +153,7 @@ rule recall:
         PRESET,
     output:
         "reports/recall.json",
+        "reports/recall_meta.json",
     threads: CFG.recall.num_threads
     shell:
         "python stages/recall.py"

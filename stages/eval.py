@@ -3,7 +3,8 @@
 Evaluate the latest checkpoint in models/checkpoints on the val split of
 data/shards (validation loss, perplexity, unigram baseline, bits per byte when
 the tokenizer recorded byte counts) and on synthetic passkey retrieval built
-with data/tokenizer/spm.model: reports/eval.json and reports/eval_config.yaml.
+with data/tokenizer/spm.model: reports/eval.json (numbers), reports/eval_meta.json
+(variant, runtime) and reports/eval_config.yaml.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ from pathlib import Path
 
 from hope.cli import run_stage
 from hope.config import Config, save_config
-from hope.io import atomic_write_json
+from hope.io import split_records, write_metrics
 
 CKPT_DIR = Path("models/checkpoints")
 SHARD_DIR = Path("data/shards")
 TOKENIZER_MODEL = Path("data/tokenizer/spm.model")
 REPORT_DIR = Path("reports")
+RECORDS = ("variant", "runtime")  # to eval_meta.json: eval.json holds numbers only
 
 
 def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.run import evaluate
 
     metrics = evaluate(cfg, CKPT_DIR, SHARD_DIR, TOKENIZER_MODEL)
-    atomic_write_json(REPORT_DIR / "eval.json", metrics)
+    write_metrics(REPORT_DIR / "eval.json", *split_records(metrics, RECORDS))
     save_config(cfg, REPORT_DIR / "eval_config.yaml")
     passkey = ", ".join(f"{k} {v['acc']:.2f}" for k, v in metrics["passkey"].items())
     print(

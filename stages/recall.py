@@ -2,7 +2,8 @@
 
 Multi-query associative recall (MQAR): train a small fresh model of every
 ``recall.variants`` entry on synthetic key-value sequences and score its in-context
-recall on held-out ones (hope.eval.recall): reports/recall.json.
+recall on held-out ones (hope.eval.recall): reports/recall.json (numbers),
+reports/recall_meta.json (accuracy curves, config).
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from pathlib import Path
 
 from hope.cli import run_stage
 from hope.config import Config
-from hope.io import atomic_write_json
+from hope.io import write_metrics
 
 REPORT = Path("reports/recall.json")
 
 
 def body(cfg: Config, args: argparse.Namespace) -> None:
-    from hope.eval.recall import run_recall
+    from hope.eval.recall import run_recall, split_recall_report
 
     report = run_recall(cfg)
-    atomic_write_json(REPORT, report)
+    write_metrics(REPORT, *split_recall_report(report))
     chance = 1.0 / cfg.recall.num_pairs
     scores = ", ".join(f"{v} {row['accuracy']:.3f}" for v, row in report["variants"].items())
     print(f"recall (MQAR, chance {chance:.3f}): {scores}")

@@ -52,13 +52,15 @@ def sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, nn
     Path("data/tokenizer/spm.model").write_bytes(b"\x0a\x03spm-bytes")
     Path("reports").mkdir()
     Path("reports/train.json").write_text(json.dumps({"steps": STEP, "val_loss": 3.25}))
+    Path("reports/train_meta.json").write_text(json.dumps({"runtime": {"device": "cpu"}}))
     evaluation = {
         "val": {"loss": 3.3, "ppl": 27.1, "tokens": 4096},
         "passkey": {"len_64": {"acc": 0.5, "chance": 0.25, "true_logprob": -9.5}},
         "step": STEP,
-        "variant": cfg.model.variant,
     }
     Path("reports/eval.json").write_text(json.dumps(evaluation))
+    records = {"variant": cfg.model.variant, "runtime": {"device": "cpu"}}
+    Path("reports/eval_meta.json").write_text(json.dumps(records))
     Path("dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
     return cfg, model
 
@@ -89,7 +91,9 @@ def test_round_trip_gives_identical_logits(sources: tuple[Config, nn.Module]) ->
             "dvc.lock",
             "environment.json",
             "metrics/eval.json",
+            "metrics/eval_meta.json",
             "metrics/train.json",
+            "metrics/train_meta.json",
             "model.safetensors",
             "tokenizer.model",
         ]
@@ -118,7 +122,7 @@ def test_stage_verify_reports_ok_and_tampering(
 ) -> None:
     out = build(sources[0])
     assert release_stage(["--verify", str(out)]) == 0
-    assert "ok: 8 files verified" in capsys.readouterr().out
+    assert "ok: 10 files verified" in capsys.readouterr().out
 
     weights = out / "model.safetensors"
     blob = bytearray(weights.read_bytes())
@@ -146,7 +150,7 @@ def test_manifest_cannot_drop_a_required_file(sources: tuple[Config, nn.Module])
     manifest = out / "MANIFEST"
     kept = [ln for ln in manifest.read_text().splitlines() if not ln.endswith("  config.yaml")]
     manifest.write_text("\n".join(kept) + "\nnot a manifest line\n")
-    assert verify_bundle(out) == ["malformed: MANIFEST line 8", "missing: config.yaml"]
+    assert verify_bundle(out) == ["malformed: MANIFEST line 10", "missing: config.yaml"]
 
 
 def test_rebuild_replaces_old_bundle_atomically(sources: tuple[Config, nn.Module]) -> None:
@@ -175,6 +179,19 @@ def test_stale_eval_report_is_refused(sources: tuple[Config, nn.Module]) -> None
     data = json.loads(Path("reports/eval.json").read_text())
     Path("reports/eval.json").write_text(json.dumps({**data, "step": STEP - 1}))
     with pytest.raises(StageError, match="step 6 but the latest checkpoint is step 7"):
+        build(cfg)
+
+
+def test_eval_records_of_another_variant_or_missing_are_refused(
+    sources: tuple[Config, nn.Module],
+) -> None:
+    cfg, _ = sources
+    meta = Path("reports/eval_meta.json")
+    meta.write_text(json.dumps({"variant": "titans_mac", "runtime": {}}))
+    with pytest.raises(StageError, match="eval_meta.json is for variant 'titans_mac'"):
+        build(cfg)
+    meta.unlink()
+    with pytest.raises(StageError, match="eval_meta.json not found; run `python stages/eval.py`"):
         build(cfg)
 
 

@@ -170,6 +170,8 @@ BAD_VALUES = [
     ("train.keep_checkpoints=0", "train.keep_checkpoints"),
     ("train.checkpoint_every=0", "train.checkpoint_every"),
     ("train.nan_lr_factor=1.5", "train.nan_lr_factor"),
+    ("train.nan_max_skips=-1", "train.nan_max_skips"),
+    ("train.nan_policy=ignore", "train.nan_policy"),
     ("train.nproc_per_node=0", "train.nproc_per_node"),
     ("preset=huge", "unknown preset"),
 ]

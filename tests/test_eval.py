@@ -23,6 +23,7 @@ from hope.errors import ConfigError
 from hope.eval import passkey
 from hope.eval.perplexity import bits_per_byte, evaluate_perplexity
 from hope.eval.run import val_bytes_per_token
+from hope.io import non_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -319,7 +320,10 @@ def test_eval_plot_release_stages_on_real_artifacts(
 
     assert load_stage("eval").main_with(params + sets) == 0
     report = json.loads(Path("reports/eval.json").read_text())
-    assert report["step"] == 3 and report["variant"] == cfg.model.variant
+    assert non_numbers(report) == []  # a DVC metrics file; names and runtime beside it
+    records = json.loads(Path("reports/eval_meta.json").read_text())
+    assert report["step"] == 3 and records["variant"] == cfg.model.variant
+    assert records["runtime"]["device"] == "cpu"
     val = report["val"]
     assert val["tokens"] == 2 * 3 * 32
     assert abs(val["loss"] - math.log(512)) < 0.1  # an untrained model is near uniform
@@ -336,12 +340,13 @@ def test_eval_plot_release_stages_on_real_artifacts(
         "1\t5.7\t\t0.001\t96\t100\n3\t5.6\t5.65\t0.002\t288\t100\n"
     )
     Path("reports/train.json").write_text(json.dumps({"steps": 3, "val_loss": 5.65}))
+    Path("reports/train_meta.json").write_text(json.dumps({"runtime": {"device": "cpu"}}))
     assert load_stage("plot").main_with(params) == 0
     assert all(
         Path(f"reports/plots/{n}.png").stat().st_size > 1000 for n in ("loss", "lr", "passkey")
     )
     assert load_stage("release").main_with(params + sets) == 0
-    assert "ok: 7 files verified" in capsys.readouterr().out  # no dvc.lock here
+    assert "ok: 9 files verified" in capsys.readouterr().out  # no dvc.lock here
     Path("reports/eval.json").unlink()
     assert load_stage("plot").main_with(params) == 2
     assert "reports/eval.json not found" in capsys.readouterr().err

@@ -143,9 +143,10 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     reports = root / "reports"
     reports.mkdir()
     (reports / "train.json").write_text(json.dumps({"steps": 3, "val_loss": 5.5}))
-    evaluation = {"val": {"loss": 5.5, "ppl": 245.0, "tokens": 64}, "step": 3,
-                  "variant": cfg.model.variant, "passkey": {}}  # fmt: skip
+    (reports / "train_meta.json").write_text(json.dumps({"runtime": {}}))
+    evaluation = {"val": {"loss": 5.5, "ppl": 245.0, "tokens": 64}, "step": 3, "passkey": {}}
     (reports / "eval.json").write_text(json.dumps(evaluation))
+    (reports / "eval_meta.json").write_text(json.dumps({"variant": cfg.model.variant}))
     return build_bundle(cfg, ckpt, root / "tok", reports, root / "release")
 
 

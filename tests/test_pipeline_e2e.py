@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from conftest import CI_RUN, ROOT, copy_repo, pipeline_env, run, set_params
+from hope.io import non_numbers
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +56,18 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
         row = bench["tiny"][variant]
         assert row["tokens_per_s"] > 0 and row["host_syncs_per_step"] == 0
     assert bench["tiny"]["transformer"]["relative_to_transformer"] == 1.0
-    recall = _json(dvc_repo / "reports/recall.json")
+    recall, records = (
+        _json(dvc_repo / "reports/recall.json"),
+        _json(dvc_repo / "reports/recall_meta.json"),
+    )
     for variant in ("transformer", "hope"):
         row = recall["variants"][variant]
-        assert [step for step, _ in row["curve"]] == [2, 4] and 0.0 <= row["accuracy"] <= 1.0
-        assert row["chance"] == 1 / recall["config"]["num_pairs"]
+        assert [step for step, _ in records["curves"][variant]] == [2, 4]
+        assert row["accuracy_ci95_low"] <= row["accuracy"] <= row["accuracy_ci95_high"]
+        assert row["chance"] == 1 / records["config"]["num_pairs"]
+    for name in ("train", "eval", "bench", "recall"):  # dvc metrics show/diff read tables
+        assert non_numbers(_json(dvc_repo / f"reports/{name}.json")) == [], name
+        assert _json(dvc_repo / f"reports/{name}_meta.json"), name
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
     assert "ok" in verify.stdout
 
@@ -109,7 +117,8 @@ def experiment(dvc_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     kept = tmp_path_factory.mktemp("experiment")
     shutil.copy2(dvc_repo / "reports/train.json", kept / "baseline_train.json")
     run(["dvc", "exp", "run", "-S", f"train.steps={EXPERIMENT_STEPS}"], dvc_repo)
-    for rel in ("reports/train.json", "reports/eval.json", "reports/train_log.tsv", *SAME_BYTES):
+    reports = [f"reports/{name}{tail}.json" for name in ("train", "eval") for tail in ("", "_meta")]
+    for rel in (*reports, "reports/train_log.tsv", *SAME_BYTES):
         (kept / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(dvc_repo / rel, kept / rel)
     (kept / "diff.md").write_text(run(["dvc", "metrics", "diff", "--md"], dvc_repo).stdout)
@@ -144,12 +153,17 @@ def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
         assert (repo / rel).read_bytes() == (experiment / rel).read_bytes(), rel
     ours, theirs = _json(repo / "reports/eval.json"), _json(experiment / "reports/eval.json")
     assert ours["val"] == theirs["val"] and ours["passkey"] == theirs["passkey"]
-    assert ours["runtime"] == theirs["runtime"]
-    assert ours["runtime"]["num_threads"] == CI_RUN[("train", "num_threads")]
+    ours, theirs = (
+        _json(repo / "reports/eval_meta.json"),
+        _json(experiment / "reports/eval_meta.json"),
+    )
+    assert ours == theirs and ours["runtime"]["num_threads"] == CI_RUN[("train", "num_threads")]
     assert _losses(repo) == _losses(experiment)
     ours, theirs = _json(repo / "reports/train.json"), _json(experiment / "reports/train.json")
-    for key in ("train_loss", "val_loss", "steps", "tokens_seen", "params", "runtime"):
+    for key in ("train_loss", "val_loss", "steps", "tokens_seen", "params"):
         assert ours[key] == theirs[key], key
+    meta = "reports/train_meta.json"
+    assert _json(repo / meta)["runtime"] == _json(experiment / meta)["runtime"]
     run([sys.executable, "stages/release.py", "--verify", "release"], repo)
 
 

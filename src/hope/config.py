@@ -284,6 +284,7 @@ def _validate(cfg: Config) -> None:
             f"train.nan_lr_factor={cfg.train.nan_lr_factor} must be in (0, 1)",
         ),
         (cfg.train.nan_max_rewinds >= 0, "train.nan_max_rewinds must be >= 0"),
+        (cfg.train.nan_max_skips >= 0, "train.nan_max_skips must be >= 0"),
         (
             cfg.train.micro_batch_size is None
             or 1 <= cfg.train.micro_batch_size <= cfg.train.batch_size,

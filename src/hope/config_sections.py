@@ -96,11 +96,14 @@ class TrainConfig:
     # Checkpoints kept (newest first); a corrupt newest one falls back to the next.
     keep_checkpoints: int = 2
     # On a non-finite loss (checked at each log/validation/checkpoint step, before
-    # anything is saved): stop with the last good checkpoint intact, or rewind to it
-    # with the learning rate times nan_lr_factor, at most nan_max_rewinds times.
-    nan_policy: Literal["stop", "rewind"] = "stop"
+    # anything is saved): stop with the last good checkpoint intact; rewind to it
+    # with the learning rate times nan_lr_factor, at most nan_max_rewinds times; or
+    # skip each step whose gradient norm is not finite (no update; decided on the
+    # device), at most nan_max_skips steps in the run.
+    nan_policy: Literal["stop", "rewind", "skip"] = "stop"
     nan_lr_factor: float = 0.5
     nan_max_rewinds: int = 3
+    nan_max_skips: int = 100
     log_every: int = 10
     val_every: int = 50
     val_batches: int = 8

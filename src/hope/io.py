@@ -89,3 +89,39 @@ def sha256_file(path: Path, block: int = 1 << 20) -> str:
         while chunk := handle.read(block):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def meta_path(metrics_path: Path) -> Path:
+    """The records beside a metrics file: ``reports/eval.json`` -> ``eval_meta.json``."""
+    return metrics_path.with_name(f"{metrics_path.stem}_meta.json")
+
+
+def non_numbers(tree: Any, where: str = "") -> list[str]:
+    """Dotted paths of every leaf of ``tree`` that is not a number or None (not measured
+    here, e.g. MFU on a CPU): bools, strings and lists, which ``dvc metrics show/diff``
+    cannot put in a table."""
+    if isinstance(tree, dict):
+        return [bad for key, sub in tree.items() for bad in non_numbers(sub, f"{where}{key}.")]
+    if tree is None or (isinstance(tree, int | float) and not isinstance(tree, bool)):
+        return []
+    return [where.rstrip(".") or "<root>"]
+
+
+def split_records(
+    report: dict[str, Any], record_keys: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, records) of a report: ``record_keys`` (names, machine, config) move to
+    the records."""
+    metrics = {k: v for k, v in report.items() if k not in record_keys}
+    return metrics, {k: report[k] for k in record_keys if k in report}
+
+
+def write_metrics(path: Path, metrics: dict[str, Any], records: dict[str, Any]) -> None:
+    """A DVC metrics file of numbers only, and its records (machine, config, names,
+    curves) in ``<stem>_meta.json`` beside it; records first, so a kill between the two
+    never leaves metrics without the records they were measured under."""
+    bad = non_numbers(metrics)
+    if bad:
+        raise ValueError(f"{path}: metrics must be numbers only; move {', '.join(bad)} to records")
+    atomic_write_json(meta_path(path), records)
+    atomic_write_json(path, metrics)

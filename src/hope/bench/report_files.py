@@ -6,15 +6,9 @@ show/diff`` read it as a table; ``reports/bench_meta.json`` keeps the rest.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 META_KEYS = ("machine", "config", "skipped")
-
-
-def meta_path(metrics_path: Path) -> Path:
-    """The records beside the metrics file: ``reports/bench.json`` -> ``bench_meta.json``."""
-    return metrics_path.with_name(f"{metrics_path.stem}_meta.json")
 
 
 def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -53,10 +53,10 @@ import torch
 
 from hope.bench import flops, projection
 from hope.bench import measure as m
-from hope.bench.report_files import meta_path, split_report
+from hope.bench.report_files import split_report
 from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
-from hope.io import atomic_write_json
+from hope.io import write_metrics
 from hope.model.config import ModelConfig
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
@@ -330,8 +330,7 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
     }
     report["wall_s"] = time.perf_counter() - started
     metrics, meta = split_report(report)
-    atomic_write_json(Path(out_path), metrics)
-    atomic_write_json(meta_path(Path(out_path)), meta)
+    write_metrics(Path(out_path), metrics, meta)
     return report
 
 

@@ -192,7 +192,8 @@ def train_recall(cfg: Config, variant: str) -> dict[str, Any]:
     log.info("recall %s: accuracy %.3f after %d steps (%.0f s)", variant, accuracy, step, seconds)
     return {
         "accuracy": accuracy,
-        "accuracy_ci95": [max(0.0, accuracy - half_width), min(1.0, accuracy + half_width)],
+        "accuracy_ci95_low": max(0.0, accuracy - half_width),
+        "accuracy_ci95_high": min(1.0, accuracy + half_width),
         "chance": 1.0 / recall.num_pairs,
         "final_query_loss": final_loss,
         "curve": [[s, a] for (s, _), a in zip(curve, accs, strict=True)],
@@ -213,3 +214,14 @@ def run_recall(cfg: Config) -> dict[str, Any]:
         )
     rows = {variant: train_recall(cfg, variant) for variant in cfg.recall.variants}
     return {"variants": rows, "config": dataclasses.asdict(cfg.recall)}
+
+
+def split_recall_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, records): ``reports/recall.json`` holds one row of numbers per variant;
+    the accuracy curves and the recall config go to ``recall_meta.json``."""
+    rows = report["variants"]
+    metrics = {
+        "variants": {v: {k: x for k, x in r.items() if k != "curve"} for v, r in rows.items()}
+    }
+    records = {"config": report["config"], "curves": {v: r["curve"] for v, r in rows.items()}}
+    return metrics, records

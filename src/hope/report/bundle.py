@@ -3,7 +3,8 @@
 Layout of ``release/``::
 
     model.safetensors  config.yaml  tokenizer.model  environment.json  README.md
-    metrics/train.json  metrics/eval.json  dvc.lock (when present)  MANIFEST
+    metrics/{train,eval}.json  metrics/{train,eval}_meta.json  dvc.lock (when present)
+    MANIFEST
 
 ``MANIFEST`` lists ``sha256  relative/path`` for every other file, sorted, in the
 format ``sha256sum -c MANIFEST`` reads. The bundle is built in a temp directory
@@ -47,6 +48,8 @@ REQUIRED = (
     "config.yaml",
     "metrics/train.json",
     "metrics/eval.json",
+    "metrics/train_meta.json",
+    "metrics/eval_meta.json",
     "environment.json",
     "README.md",
 )
@@ -194,16 +197,21 @@ def _read_json(path: Path, make: str) -> dict[str, Any]:
 
 
 def _check_eval_matches(
-    eval_metrics: Mapping[str, Any], step: int, variant: str, path: Path
+    eval_metrics: Mapping[str, Any], step: int, variant: str, reports_dir: Path
 ) -> None:
-    """Refuse to ship metrics measured on a different checkpoint than the weights."""
+    """Refuse to ship metrics measured on a different checkpoint than the weights
+    (``eval_metrics``: eval.json with eval_meta.json's records)."""
+    path = reports_dir / "eval.json"
     if "step" in eval_metrics and eval_metrics["step"] != step:
         raise StageError(
             f"{path} is for step {eval_metrics['step']} but the latest checkpoint is step {step}; "
             "run `python stages/eval.py`"
         )
     if "variant" in eval_metrics and eval_metrics["variant"] != variant:
-        raise StageError(f"{path} is for variant {eval_metrics['variant']!r}, not {variant!r}")
+        raise StageError(
+            f"{reports_dir / 'eval_meta.json'} is for variant {eval_metrics['variant']!r}, "
+            f"not {variant!r}; run `python stages/eval.py`"
+        )
 
 
 def _fmt(value: Any) -> str:
@@ -277,11 +285,15 @@ def _fill_bundle(
 
     train = _read_json(reports_dir / "train.json", "python stages/train.py")
     ev = _read_json(reports_dir / "eval.json", "python stages/eval.py")
+    records = {
+        name: _read_json(reports_dir / f"{name}_meta.json", f"python stages/{name}.py")
+        for name in ("train", "eval")
+    }
     tokenizer = tokenizer_dir / "spm.model"
     if not tokenizer.is_file():
         raise StageError(f"{tokenizer} not found; run `python stages/tokenizer.py`")
     model, ckpt_cfg, step = load_model(ckpt_dir)
-    _check_eval_matches(ev, step, ckpt_cfg.model.variant, reports_dir / "eval.json")
+    _check_eval_matches({**ev, **records["eval"]}, step, ckpt_cfg.model.variant, reports_dir)
 
     save_weights(
         model, root / WEIGHTS, {"hope.step": str(step), "hope.variant": ckpt_cfg.model.variant}
@@ -290,6 +302,8 @@ def _fill_bundle(
     save_config(ckpt_cfg, root / "config.yaml")
     atomic_write_json(root / "metrics" / "train.json", train)
     atomic_write_json(root / "metrics" / "eval.json", ev)
+    for name, record in records.items():
+        atomic_write_json(root / "metrics" / f"{name}_meta.json", record)
     if Path("dvc.lock").is_file():
         shutil.copyfile("dvc.lock", root / "dvc.lock")
     atomic_write_json(root / "environment.json", collect_environment(cfg.train.device))

@@ -22,7 +22,7 @@ from hope.config import Config, save_config
 from hope.data.batches import eval_batches, random_batch
 from hope.data.shards import ShardedTokens, load_split
 from hope.errors import StageError
-from hope.io import atomic_write_json
+from hope.io import split_records, write_metrics
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
@@ -76,6 +76,8 @@ class Trainer:
         self.final_metrics: dict[str, Any] | None = None
         self.interval_start = time.perf_counter()
         self.rewinds = 0
+        self.skipped = 0  # steps skipped in the run (train.nan_policy=skip)
+        self.interval_skipped = 0
         self.watch = NonFiniteWatch(self.device, 0)
 
     def restore_or_reset(self) -> None:
@@ -118,6 +120,8 @@ class Trainer:
         self.interval_steps = int(payload["interval_steps"])
         self.final_metrics = payload.get("metrics")
         self.rewinds = int(payload.get("nan_rewinds", 0))
+        self.skipped = int(payload.get("nan_skipped", 0))
+        self.interval_skipped = int(payload.get("interval_skipped", 0))
         self.watch.reset(self.step)
 
     def on_nonfinite(self) -> None:
@@ -147,9 +151,26 @@ class Trainer:
             span, path.name, factor, rewinds, cfg.nan_max_rewinds,
         )  # fmt: skip
 
-    def nonfinite_seen(self) -> bool:
+    def on_skipped(self, count: int) -> None:
+        """``count`` steps since the last verified one were skipped (no update)."""
+        cfg = self.cfg.train
+        self.skipped += count
+        self.interval_skipped += count
+        span = f"steps {self.watch.verified_step + 1}..{self.step}"
+        if self.skipped > cfg.nan_max_skips:
+            raise StageError(
+                f"train: {self.skipped} steps skipped for non-finite gradients, more than "
+                f"train.nan_max_skips={cfg.nan_max_skips} (last in {span}); lower optim.lr"
+            )
+        log.warning(
+            "non-finite gradients: skipped %d step(s) in %s without updating (%d of at most "
+            "%d in the run)", count, span, self.skipped, cfg.nan_max_skips,
+        )  # fmt: skip
+        self.watch.reset(self.step)
+
+    def nonfinite_count(self) -> int:
         """One host read, at a log/validation/checkpoint step (all ranks agree)."""
-        return bool(dist_env.all_reduce_sum(self.watch.count.clone(), self.env).item() > 0)
+        return int(dist_env.all_reduce_sum(self.watch.count.clone(), self.env).item())
 
     def save(self) -> None:
         if not self.env.is_main:  # every rank holds the same model and optimizer
@@ -171,6 +192,8 @@ class Trainer:
             "fingerprint": self.fingerprint,
             "data_digest": self.data_digest,
             "nan_rewinds": self.rewinds,
+            "nan_skipped": self.skipped,
+            "interval_skipped": self.interval_skipped,
         }
         ckpt.save_checkpoint(self.ckpt_dir, self.step, payload, self.cfg.train.keep_checkpoints)
 
@@ -206,6 +229,7 @@ class Trainer:
         tokens_per_step = cfg.batch_size * self.cfg.data.seq_len
         self.model.train()
         self.interval_start, interval_tokens = time.perf_counter(), 0
+        skip = cfg.nan_policy == "skip"
         while self.step < cfg.steps:
             x, y = random_batch(
                 self.train_tokens, cfg.batch_size, self.cfg.data.seq_len, cfg.seed, self.step
@@ -217,9 +241,10 @@ class Trainer:
                 x[rows].to(self.device, non_blocking=True),
                 y[rows].to(self.device, non_blocking=True),
                 self.cfg.optim.grad_clip, self.amp_dtype,
-                micro_batch=cfg.micro_batch_size, ddp=self.ddp,
+                micro_batch=cfg.micro_batch_size, ddp=self.ddp, skip_nonfinite=skip,
             )  # fmt: skip
-            self.interval_loss += loss.float()
+            # A skipped step's loss is NaN: counted by the watch, not in the mean.
+            self.interval_loss += loss.float().nan_to_num(0.0, 0.0, 0.0) if skip else loss.float()
             self.watch.observe(loss)
             self.interval_steps += 1
             self.step += 1
@@ -231,7 +256,10 @@ class Trainer:
             is_val = self.step % cfg.val_every == 0 or last
             is_ckpt = self.step % cfg.checkpoint_every == 0 or last
             if is_log or is_val or is_ckpt:  # verify before anything is logged or saved
-                if self.nonfinite_seen():
+                count = self.nonfinite_count()
+                if count and skip:
+                    self.on_skipped(count)
+                elif count:
                     self.on_nonfinite()
                     self.interval_start, interval_tokens = time.perf_counter(), 0
                     continue
@@ -252,11 +280,13 @@ class Trainer:
         """The only host syncs of the run: interval mean loss and validation loss."""
         train_loss = None
         if is_log:
-            mean = self.interval_loss / max(1, self.interval_steps)  # this rank's rows
+            taken = self.interval_steps - self.interval_skipped
+            mean = self.interval_loss / max(1, taken)  # this rank's rows
             world = self.env.world_size
             train_loss = (dist_env.all_reduce_sum(mean.clone(), self.env) / world).item()
+            train_loss = train_loss if taken else None  # every step skipped
             self.interval_loss.zero_()
-            self.interval_steps = 0
+            self.interval_steps = self.interval_skipped = 0
         val_loss = self.validation_loss().item() if is_val else None
         seconds = max(time.perf_counter() - interval_start, 1e-9)
         return {
@@ -305,13 +335,15 @@ class Trainer:
             "tokens_per_s": self.tokens_seen / max(self.elapsed_s, 1e-9),
             "wall_time_s": self.elapsed_s,
             "params": self.model.num_parameters(),
+            "nan_skipped_steps": self.skipped,
+            "nan_rewinds": self.rewinds,
             "runtime": runtime_record(self.cfg.train, self.device),
         }
 
     def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:
         if self.env.is_main:
             write_tsv(self.report_dir, self.rows)
-            atomic_write_json(self.report_dir / "train.json", metrics)
+            write_metrics(self.report_dir / "train.json", *split_records(metrics, ("runtime",)))
         return metrics
 
 
@@ -322,7 +354,8 @@ def run_training(
     ckpt_dir: Path,
     report_dir: Path,
 ) -> dict[str, Any]:
-    """Train on in-memory token streams; returns the final metrics (also in train.json).
+    """Train on in-memory token streams; returns the final metrics (numbers in train.json,
+    the runtime record in train_meta.json).
     Under torchrun (``WORLD_SIZE`` > 1) every rank calls this and they train as one."""
     env = dist_env.from_environment()
     device = dist_env.device_for(env, resolve_device(cfg.train.device))

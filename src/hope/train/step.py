@@ -2,6 +2,8 @@
 
 ``train_step`` is the whole training step (no host sync: the loss stays on the device);
 ``evaluate_loss`` the validation mean; both split a batch into micro-batches of rows.
+``step_where`` applies an optimizer step only where a device flag says so (the
+``train.nan_policy=skip`` step), again without reading the flag on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hope.model.lm import LanguageModel
+from hope.optim.groups import HybridOptimizer
 
 
 def autocast(
@@ -42,6 +45,7 @@ def train_step(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     micro_batch: int | None = None,
     ddp: DistributedDataParallel | None = None,
+    skip_nonfinite: bool = False,
 ) -> torch.Tensor:
     """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device.
 
@@ -51,7 +55,10 @@ def train_step(
     so the gradient is the whole batch's (fast state is per sample: the slices are
     independent) and only one slice's activations are alive at a time. ``ddp``: the
     DistributedDataParallel wrapper of the loss (``hope.train.distributed``); gradients
-    are averaged over ranks once, at the last slice.
+    are averaged over ranks once, at the last slice. ``skip_nonfinite``: when the
+    gradient norm is not finite, parameters and optimizer state stay as they were (the
+    scheduler still advances) and the returned loss is NaN; decided on the device from
+    the reduced gradients, so every rank skips together.
     """
     optimizer.zero_grad(set_to_none=True)
     rows = x.shape[0]
@@ -69,11 +76,64 @@ def train_step(
         share = loss.detach() * weight
         total = share if total is None else total + share
     assert total is not None
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]  # (the check again, for mypy)
+    norm = None
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if skip_nonfinite:
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm(grads)
+        ok = torch.isfinite(norm)
+        step_where(optimizer, ok)
+        total = torch.where(ok, total, torch.full_like(total, float("nan")))
+    else:
+        optimizer.step()
     scheduler.step()
     return total
+
+
+def step_where(optimizer: torch.optim.Optimizer, ok: torch.Tensor) -> None:
+    """``optimizer.step()`` where the 0-dim bool ``ok`` holds; otherwise parameters and
+    tensor state are left exactly as they were. Fused Adam/AdamW skip on the device
+    through their ``found_inf`` input (what torch's GradScaler uses); any other
+    optimizer steps and is restored from a copy of its parameters and state (one
+    extra copy's memory and traffic). Host-side counters of such an optimizer (M3's
+    group step, like the lr schedule) still advance."""
+    parts = optimizer.parts.values() if isinstance(optimizer, HybridOptimizer) else [optimizer]
+    for part in parts:
+        if isinstance(part, torch.optim.Adam) and part.defaults.get("fused"):
+            part.found_inf = (~ok).to(torch.float32)  # type: ignore[attr-defined]
+            try:
+                part.step()
+            finally:
+                del part.found_inf  # type: ignore[attr-defined]
+        else:
+            _restoring_step(part, ok)
+
+
+def _step_tensors(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
+    """Every parameter and tensor state of ``optimizer``, keyed by (param index, name)."""
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        found[(index, "")] = param
+        for name, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                found[(index, name)] = value
+    return found
+
+
+@torch.no_grad()
+def _restoring_step(optimizer: torch.optim.Optimizer, ok: torch.Tensor) -> None:
+    saved = {key: t.clone() for key, t in _step_tensors(optimizer).items()}
+    optimizer.step()
+    for key, tensor in _step_tensors(optimizer).items():
+        # State created by this very step starts from zeros (torch optimizers' init).
+        before = saved.get(key)
+        tensor.copy_(
+            torch.where(ok, tensor, torch.zeros_like(tensor) if before is None else before)
+        )
 
 
 @torch.no_grad()
