@@ -292,7 +292,9 @@ def test_stage_cli_writes_the_report_with_isolated_measurements(tmp_path: Path) 
     # Numbers only in the metrics file (`dvc metrics show` reads it as a table);
     # the machine, config, skipped variants and constants beside it.
     assert set(report) == {"tiny", "smoke", "wall_s", "projection"}
-    assert set(meta) == {"machine", "config", "skipped", "precision", "projection_constants"}
+    assert set(meta) == {
+        "machine", "config", "skipped", "precision", "projection_constants", "projection_records",
+    }  # fmt: skip
     assert not _strings(report), _strings(report)
     assert report["projection"]["presets"] == {} and meta["skipped"] == {}
     assert meta["precision"]["tiny"]["transformer"] == "fp32"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hope.io import meta_path, non_numbers, split_records, write_metrics
+from hope.io import meta_path, non_numbers, split_non_numbers, split_records, write_metrics
 
 
 def test_non_numbers_names_every_leaf_a_metrics_table_cannot_hold() -> None:
@@ -38,3 +38,10 @@ def test_write_metrics_splits_records_and_refuses_non_numbers(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"eval\.json: metrics must be numbers only; move variant"):
         write_metrics(path, report, {})
     assert json.loads(path.read_text()) == {"step": 7, "val": {"loss": 3.5}}  # untouched
+
+
+def test_split_non_numbers_keeps_the_nesting_on_both_sides() -> None:
+    tree = {"fit": {"slope": 2.0, "lengths": [256, 512]}, "name": "x", "n": 3, "empty": {}}
+    numbers, rest = split_non_numbers(tree)
+    assert numbers == {"fit": {"slope": 2.0}, "n": 3, "empty": {}}
+    assert rest == {"fit": {"lengths": [256, 512]}, "name": "x"}

@@ -107,6 +107,25 @@ def non_numbers(tree: Any, where: str = "") -> list[str]:
     return [where.rstrip(".") or "<root>"]
 
 
+def split_non_numbers(tree: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(numbers, the rest) of a nested dict, both keeping the nesting (empty dicts
+    dropped from the rest): e.g. a fitted curve's sample points beside its numbers."""
+    numbers: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sub_numbers, sub_rest = split_non_numbers(value)
+            if sub_numbers or not value:
+                numbers[key] = sub_numbers
+            if sub_rest:
+                rest[key] = sub_rest
+        elif non_numbers(value):
+            rest[key] = value
+        else:
+            numbers[key] = value
+    return numbers, rest
+
+
 def split_records(
     report: dict[str, Any], record_keys: tuple[str, ...]
 ) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from hope.io import split_non_numbers
+
 META_KEYS = ("machine", "config", "skipped")
 
 
 def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(metrics, records): numbers only for ``dvc metrics show/diff`` (shape -> variant ->
     measurement, wall time, projected GPU steps); the machine, the bench config, skipped
-    variants, each row's precision and the projection's constants go beside them."""
+    variants, each row's precision and the projection's constants and sample lengths go
+    beside them."""
     metrics = {k: v for k, v in report.items() if k not in META_KEYS}
     meta = {k: report[k] for k in META_KEYS}
     meta["precision"] = {}
@@ -26,5 +29,6 @@ def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         }
     projection = dict(metrics["projection"])
     meta["projection_constants"] = projection.pop("constants")
-    metrics["projection"] = projection
+    # The launch fits' sample lengths (lists) go beside their fitted numbers.
+    metrics["projection"], meta["projection_records"] = split_non_numbers(projection)
     return metrics, meta
