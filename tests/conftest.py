@@ -136,6 +136,43 @@ def select_samples(state: Any, index: slice) -> Any:
     return map_tensors(state, lambda t: t[index])
 
 
+def make_bundle(root: Path, *extra: str) -> Path:
+    """A release bundle of a tiny (hope unless ``extra`` says otherwise) untrained model
+    with a real 512-piece BPE tokenizer trained on 30 built-in documents, under ``root``
+    (``root/raw`` holds the documents, ``root/ckpt`` the checkpoint)."""
+    import json
+
+    from hope.config import Config, load_config
+    from hope.data.download import run_download
+    from hope.data.tokenizer import train_tokenizer
+    from hope.report.bundle import build_bundle
+    from hope.train.checkpoint import save_checkpoint
+
+    cfg = Config()
+    cfg.data.max_documents = 30
+    cfg.data.val_fraction = 0.2
+    run_download(cfg, root / "raw")
+    cfg = load_config(
+        ROOT / "params.yaml",
+        ["tokenizer.vocab_size=512", "tokenizer.model_type=bpe", "model.dim=16",
+         "model.n_layers=1", "model.n_heads=2", "release.name=hope-front", "data.seq_len=32",
+         *extra],
+    )  # fmt: skip
+    train_tokenizer(cfg.tokenizer, root / "raw" / "train.jsonl", root / "tok")
+    torch.manual_seed(0)
+    model = hope.build_model(cfg.model)
+    ckpt = root / "ckpt"
+    save_checkpoint(ckpt, 3, {"model": model.state_dict(), "config": cfg.to_dict(), "step": 3})
+    reports = root / "reports"
+    reports.mkdir()
+    (reports / "train.json").write_text(json.dumps({"steps": 3, "val_loss": 5.5}))
+    (reports / "train_meta.json").write_text(json.dumps({"runtime": {}}))
+    evaluation = {"val": {"loss": 5.5, "ppl": 245.0, "tokens": 64}, "step": 3, "passkey": {}}
+    (reports / "eval.json").write_text(json.dumps(evaluation))
+    (reports / "eval_meta.json").write_text(json.dumps({"variant": cfg.model.variant}))
+    return build_bundle(cfg, ckpt, root / "tok", reports, root / "release")
+
+
 def set_params(repo: Path, values: Mapping[tuple[str, str], object]) -> None:
     """Set ``(section, key) -> value`` in the copy's params.yaml; every key must exist."""
     path = repo / "params.yaml"

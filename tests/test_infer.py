@@ -14,16 +14,12 @@ import torch.nn.functional as F
 import yaml
 
 import hope
-from conftest import assert_states_close, rand_tokens, tiny_lm
+from conftest import assert_states_close, make_bundle, rand_tokens, tiny_lm
 from hope import infer
 from hope.app import main
-from hope.config import Config, load_config
-from hope.data.download import run_download
-from hope.data.tokenizer import train_tokenizer
+from hope.config import load_config
 from hope.errors import StageError
 from hope.model.state_file import load_state_file, save_state_file
-from hope.report.bundle import build_bundle
-from hope.train.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,29 +121,7 @@ def test_score_is_the_mean_next_token_loss_of_the_teach_path(variant: str) -> No
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A release bundle of a tiny hope model with a real 512-piece tokenizer."""
-    root = tmp_path_factory.mktemp("front")
-    cfg = Config()
-    cfg.data.max_documents = 30
-    cfg.data.val_fraction = 0.2
-    run_download(cfg, root / "raw")
-    cfg = load_config(
-        ROOT / "params.yaml",
-        ["tokenizer.vocab_size=512", "tokenizer.model_type=bpe", "model.dim=16",
-         "model.n_layers=1", "model.n_heads=2", "release.name=hope-front", "data.seq_len=32"],
-    )  # fmt: skip
-    train_tokenizer(cfg.tokenizer, root / "raw" / "train.jsonl", root / "tok")
-    torch.manual_seed(0)
-    model = hope.build_model(cfg.model)
-    ckpt = root / "ckpt"
-    save_checkpoint(ckpt, 3, {"model": model.state_dict(), "config": cfg.to_dict(), "step": 3})
-    reports = root / "reports"
-    reports.mkdir()
-    (reports / "train.json").write_text(json.dumps({"steps": 3, "val_loss": 5.5}))
-    (reports / "train_meta.json").write_text(json.dumps({"runtime": {}}))
-    evaluation = {"val": {"loss": 5.5, "ppl": 245.0, "tokens": 64}, "step": 3, "passkey": {}}
-    (reports / "eval.json").write_text(json.dumps(evaluation))
-    (reports / "eval_meta.json").write_text(json.dumps({"variant": cfg.model.variant}))
-    return build_bundle(cfg, ckpt, root / "tok", reports, root / "release")
+    return make_bundle(tmp_path_factory.mktemp("front"))
 
 
 def test_hope_generate_is_reproducible_for_a_seed(bundle: Path, capsys) -> None:
