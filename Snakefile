@@ -28,6 +28,7 @@ rule all:
         "reports/plots/lr.png",
         "reports/bench.json",
         "reports/recall.json",
+        "reports/zeroshot.json",
 
 
 rule download:
@@ -101,6 +102,22 @@ rule eval:
         "python stages/eval.py"
 
 
+rule zeroshot:
+    input:
+        "stages/zeroshot.py",
+        "models/checkpoints",
+        "data/raw/val.jsonl",
+        "data/tokenizer/spm.model",
+        "configs/lm_eval",
+    output:
+        directory("data/zeroshot"),
+        "reports/zeroshot.json",
+        "reports/zeroshot_meta.json",
+    threads: CFG.train.num_threads
+    shell:
+        "python stages/zeroshot.py"
+
+
 rule plot:
     input:
         "stages/plot.py",
@@ -123,6 +140,8 @@ rule release:
         "reports/train_meta.json",
         "reports/eval.json",
         "reports/eval_meta.json",
+        "reports/zeroshot.json",
+        "reports/zeroshot_meta.json",
     output:
         "release/MANIFEST",
     shell:

@@ -254,3 +254,17 @@ def test_saved_weights_are_byte_identical_across_saves(
     load_weights(clone, tmp_path / "w0.safetensors")
     for a, b in zip(model.state_dict().values(), clone.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_zeroshot_reports_are_carried_with_the_card_line(
+    sources: tuple[Config, nn.Module],
+) -> None:
+    cfg, _ = sources
+    row = {"acc": 0.375, "acc_stderr": 0.06, "n": 64}
+    Path("reports/zeroshot.json").write_text(json.dumps({"hope_choice": row, "step": STEP}))
+    Path("reports/zeroshot_meta.json").write_text(json.dumps({"lm_eval": "0.4.13"}))
+    out = build(cfg)
+    assert verify_bundle(out) == []
+    assert json.loads((out / "metrics/zeroshot.json").read_text())["hope_choice"] == row
+    assert (out / "metrics/zeroshot_meta.json").is_file()
+    assert "- zero-shot `hope_choice` (lm-eval): acc 0.375, n 64" in (out / "README.md").read_text()

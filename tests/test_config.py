@@ -173,6 +173,9 @@ BAD_VALUES = [
     ("train.nan_max_skips=-1", "train.nan_max_skips"),
     ("train.nan_policy=ignore", "train.nan_policy"),
     ("train.nproc_per_node=0", "train.nproc_per_node"),
+    ("zeroshot.tasks=[]", "zeroshot.tasks"),
+    ("zeroshot.items=0", "zeroshot.items"),
+    ("zeroshot.limit=0", "zeroshot.limit"),
     ("preset=huge", "unknown preset"),
 ]
 

@@ -65,7 +65,11 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
         assert [step for step, _ in records["curves"][variant]] == [2, 4]
         assert row["accuracy_ci95_low"] <= row["accuracy"] <= row["accuracy_ci95_high"]
         assert row["chance"] == 1 / records["config"]["num_pairs"]
-    for name in ("train", "eval", "bench", "recall"):  # dvc metrics show/diff read tables
+    zeroshot = _json(dvc_repo / "reports/zeroshot.json")
+    assert set(zeroshot) == {"step", "hope_cloze", "hope_choice", "hope_rolling"}
+    assert zeroshot["step"] == train["steps"] and 0.0 <= zeroshot["hope_choice"]["acc"] <= 1.0
+    assert _json(dvc_repo / "release/metrics/zeroshot.json") == zeroshot
+    for name in ("train", "eval", "bench", "recall", "zeroshot"):  # metrics read as tables
         assert non_numbers(_json(dvc_repo / f"reports/{name}.json")) == [], name
         assert _json(dvc_repo / f"reports/{name}_meta.json"), name
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
@@ -97,6 +101,7 @@ SAME_BYTES = (
     "data/tokenizer/spm.model",
     "data/shards/manifest.json",
     "release/model.safetensors",
+    "reports/zeroshot.json",
 )
 
 
@@ -223,6 +228,38 @@ def test_readme_hope_commands_use_the_release(dvc_repo: Path) -> None:
     assert continued.startswith("The download")
     assert "ok    torch:" in doctor
     assert yaml.safe_load(params)["preset"] == "pilot"
+
+
+def test_readme_zeroshot_commands_run_on_the_release(dvc_repo: Path) -> None:
+    """The README's two zero-shot commands, verbatim, on the pipeline's outputs (what
+    they write is put back afterwards: other tests read the repro's own outputs)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Zero-shot evaluation (lm-eval)")[1].split("\n## ")[0]
+    blocks = [b.split("```")[0] for b in section.split("```bash")[1:]]
+    stage, harness = (" ".join(b.replace("\\\n", " ").split()) for b in blocks)
+    kept = {rel: (dvc_repo / rel).read_bytes() for rel in ZEROSHOT_OUTPUTS}
+    try:
+        # On the repro's items, the release (the checkpoint's weights) scores as the stage.
+        run(shlex.split(harness), dvc_repo)
+        [result] = (dvc_repo / "reports/lm_eval").rglob("results_*.json")
+        row = _json(result)["results"]["hope_cloze"]
+        ours = _json(dvc_repo / "reports/zeroshot.json")["hope_cloze"]
+        assert row["acc,none"] == ours["acc"]
+        assert row["perplexity,none"] == pytest.approx(ours["perplexity"], rel=1e-9)
+        out = run(shlex.split(stage), dvc_repo).stdout
+        assert "zeroshot hope_choice: acc" in out and "hope_cloze" not in out
+        assert _json(dvc_repo / "reports/zeroshot_meta.json")["offline_items"]["hope_choice"] == 32
+    finally:
+        for rel, blob in kept.items():
+            (dvc_repo / rel).write_bytes(blob)
+        shutil.rmtree(dvc_repo / "reports/lm_eval", ignore_errors=True)
+
+
+ZEROSHOT_OUTPUTS = (
+    "reports/zeroshot.json",
+    "reports/zeroshot_meta.json",
+    *(f"data/zeroshot/{task}.jsonl" for task in ("hope_cloze", "hope_choice", "hope_rolling")),
+)
 
 
 def _tree_digest(root: Path) -> dict[str, str]:

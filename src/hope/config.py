@@ -29,6 +29,7 @@ from hope.config_sections import (
     ReleaseConfig,
     TokenizerConfig,
     TrainConfig,
+    ZeroshotConfig,
 )
 from hope.errors import ConfigError
 
@@ -40,6 +41,7 @@ __all__ = [
     "OptimConfig",
     "PRESET_DIR",
     "RecallConfig",
+    "ZeroshotConfig",
     "ReleaseConfig",
     "TokenizerConfig",
     "TrainConfig",
@@ -301,6 +303,17 @@ def _validate(cfg: Config) -> None:
             f"bench.num_threads={cfg.bench.num_threads} must be >= 1",
         ),
         (cfg.tokenizer.vocab_size >= 64, "tokenizer.vocab_size must be >= 64"),
+        (bool(cfg.zeroshot.tasks), "zeroshot.tasks is empty: name at least one lm-eval task"),
+        (cfg.zeroshot.items >= 1, "zeroshot.items must be >= 1"),
+        (cfg.zeroshot.cloze_words >= 2, "zeroshot.cloze_words must be >= 2"),
+        (cfg.zeroshot.choice_words >= 1, "zeroshot.choice_words must be >= 1"),
+        (
+            cfg.zeroshot.limit is None or cfg.zeroshot.limit >= 1,
+            "zeroshot.limit must be >= 1 (or null: every document)",
+        ),
+        (cfg.zeroshot.batch_size >= 1, "zeroshot.batch_size must be >= 1"),
+        (cfg.zeroshot.num_fewshot >= 0, "zeroshot.num_fewshot must be >= 0"),
+        (cfg.zeroshot.bootstrap_iters >= 0, "zeroshot.bootstrap_iters must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:

@@ -122,6 +122,24 @@ class EvalConfig:
 
 
 @dataclass
+class ZeroshotConfig:
+    """The ``zeroshot`` stage: lm-eval tasks on the trained model (hope.eval.harness).
+    The default tasks are built offline from the run's validation texts
+    (hope.eval.zeroshot_items; YAMLs in configs/lm_eval); the paper presets name the
+    paper's Table 1 tasks by their lm-eval names (their data needs the HuggingFace hub)."""
+
+    tasks: list[str] = field(default_factory=lambda: ["hope_cloze", "hope_choice", "hope_rolling"])
+    items: int = 64  # per offline task
+    cloze_words: int = 24  # passage length of a hope_cloze item
+    choice_words: int = 12  # context and ending length of a hope_choice item
+    limit: int | None = None  # lm-eval --limit: documents per task (null: all)
+    batch_size: int = 8
+    num_fewshot: int = 0
+    bootstrap_iters: int = 1000  # lm-eval's stderr of non-mean metrics (perplexities)
+    seed: int = 1234
+
+
+@dataclass
 class ReleaseConfig:
     name: str = "hope-tiny"
 
@@ -188,6 +206,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     recall: RecallConfig = field(default_factory=RecallConfig)

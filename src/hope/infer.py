@@ -25,6 +25,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 import yaml
+from safetensors import safe_open
 
 from hope.config import Config, config_from_dict
 from hope.data.tokenizer import load_tokenizer
@@ -46,6 +47,7 @@ class Loaded:
     model: LanguageModel
     tokenizer: spm.SentencePieceProcessor
     config: Config
+    step: int | None = None  # the training step of the weights, when recorded
 
 
 def load(
@@ -64,11 +66,14 @@ def load(
         cfg = config_from_dict(yaml.safe_load((root / "config.yaml").read_text()))
         model = build_model(cfg.model)
         load_weights(model, root / WEIGHTS)
+        with safe_open(str(root / WEIGHTS), framework="pt") as handle:
+            recorded = (handle.metadata() or {}).get("hope.step")
+        step = int(recorded) if recorded is not None else None
         tok_path = Path(tokenizer) if tokenizer else root / "tokenizer.model"
     elif root.is_dir():
         from hope.train.checkpoint import load_model
 
-        model, cfg, _ = load_model(root)
+        model, cfg, step = load_model(root)
         tok_path = Path(tokenizer) if tokenizer else DEFAULT_TOKENIZER
     else:
         raise StageError(f"{root}: no release bundle or checkpoint directory there")
@@ -79,7 +84,7 @@ def load(
             f"{model.cfg.vocab_size} (model.vocab_size): not the model's tokenizer"
         )
     model.to(device).eval()
-    return Loaded(model, sp, cfg)
+    return Loaded(model, sp, cfg, step)
 
 
 @dataclass

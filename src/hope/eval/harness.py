@@ -35,6 +35,8 @@ from tqdm import tqdm
 from hope.errors import StageError
 from hope.infer import Decoder, load
 from hope.model.memorize import IGNORE_INDEX
+from hope.train.device import autocast_dtype
+from hope.train.step import autocast
 
 TokenPair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
@@ -52,6 +54,7 @@ class HopeHarnessLM(TemplateLM):
         max_length: int | str | None = None,
         max_gen_toks: int | str = 256,
         max_batch_size: int | str | None = None,  # lm-eval passes it; batches are fixed
+        precision: str = "fp32",  # as train.precision: fp32, bf16 or auto
     ) -> None:
         super().__init__()
         if str(batch_size).startswith("auto"):
@@ -62,6 +65,9 @@ class HopeHarnessLM(TemplateLM):
             raise StageError(f"hope: device={device} but this torch sees no CUDA device")
         self.loaded = load(pretrained, tokenizer, device)
         self.model = self.loaded.model
+        if precision not in ("fp32", "bf16", "auto"):
+            raise StageError(f"hope: precision={precision!r} must be fp32, bf16 or auto")
+        self.amp = autocast_dtype(self.model.device, precision)
         self.sp = self.loaded.tokenizer
         self.batch_size = int(batch_size)
         self.max_length = int(max_length or self.loaded.config.data.seq_len)
@@ -128,7 +134,8 @@ class HopeHarnessLM(TemplateLM):
             inputs[r, : len(row) - 1] = torch.tensor(row[:-1])
             targets[r, : len(row) - 1] = torch.tensor(row[1:])
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        logits, _ = self.model.forward_teach(inputs, targets)
+        with autocast(self.device, self.amp):
+            logits, _ = self.model.forward_teach(inputs, targets)
         logprobs = logits.double().log_softmax(-1)
         picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         greedy = logprobs.argmax(-1) == targets
@@ -176,7 +183,8 @@ class HopeHarnessLM(TemplateLM):
         """Greedy continuation of ``context``, cut before the first ``until`` string."""
         ids = self.tok_encode(context)[-self.max_length :] or [self.eot_token_id]
         decoder = Decoder(self.model, None)
-        decoder.feed(ids)
+        with autocast(self.device, self.amp):
+            decoder.feed(ids)
         new: list[int] = []
         text = ""
         for _ in range(max_new_tokens):
@@ -188,7 +196,8 @@ class HopeHarnessLM(TemplateLM):
             text = self.sp.decode(new)
             if any(stop in text for stop in until):
                 break
-            decoder.feed([token])
+            with autocast(self.device, self.amp):
+                decoder.feed([token])
         cuts = [text.index(stop) for stop in until if stop in text]
         return text[: min(cuts)] if cuts else text
 

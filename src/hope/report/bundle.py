@@ -53,6 +53,8 @@ REQUIRED = (
     "environment.json",
     "README.md",
 )
+# Further evaluations the bundle carries when the pipeline ran them (the DAG always does).
+OPTIONAL_REPORTS = ("zeroshot.json", "zeroshot_meta.json")
 _ALIASES_KEY = "hope.aliases"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -225,6 +227,7 @@ def model_card(
     step: int,
     train: Mapping[str, Any],
     ev: Mapping[str, Any],
+    zeroshot: Mapping[str, Any] | None = None,
 ) -> str:
     """README.md of the bundle: what the model is, how well it does, how to load and check it."""
     m = ckpt_cfg.model
@@ -253,6 +256,12 @@ def model_card(
             f"- passkey {length}: acc {_fmt(r.get('acc'))} (chance {_fmt(r.get('chance'))}), "
             f"true-key log-prob {_fmt(r.get('true_logprob'))}"
         )
+    for task, row in sorted((zeroshot or {}).items()):
+        if isinstance(row, Mapping):
+            shown = ", ".join(
+                f"{k} {_fmt(v)}" for k, v in sorted(row.items()) if not k.endswith("_stderr")
+            )
+            lines.append(f"- zero-shot `{task}` (lm-eval): {shown}")
     scalars = {k: v for k, v in train.items() if isinstance(v, (int, float, str))}
     lines += [f"- train {k}: {_fmt(v)}" for k, v in sorted(scalars.items())]
     lines += [
@@ -304,11 +313,18 @@ def _fill_bundle(
     atomic_write_json(root / "metrics" / "eval.json", ev)
     for name, record in records.items():
         atomic_write_json(root / "metrics" / f"{name}_meta.json", record)
+    for name in OPTIONAL_REPORTS:  # evaluations beyond eval, when they have run
+        if (reports_dir / name).is_file():
+            shutil.copyfile(reports_dir / name, root / "metrics" / name)
     if Path("dvc.lock").is_file():
         shutil.copyfile("dvc.lock", root / "dvc.lock")
     atomic_write_json(root / "environment.json", collect_environment(cfg.train.device))
     n_params = sum(p.numel() for p in model.parameters())  # parameters() skips tied duplicates
-    card = model_card(cfg.release.name, ckpt_cfg, n_params, step, train, ev)
+    zeroshot_path = reports_dir / "zeroshot.json"
+    zeroshot = (
+        _read_json(zeroshot_path, "python stages/zeroshot.py") if zeroshot_path.is_file() else None
+    )
+    card = model_card(cfg.release.name, ckpt_cfg, n_params, step, train, ev, zeroshot)
     atomic_write_text(root / "README.md", card)
     write_manifest(root)
 
