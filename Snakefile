@@ -29,6 +29,7 @@ rule all:
         "reports/bench.json",
         "reports/recall.json",
         "reports/zeroshot.json",
+        "reports/niah.json",
 
 
 rule download:
@@ -118,6 +119,21 @@ rule zeroshot:
         "python stages/zeroshot.py"
 
 
+rule niah:
+    input:
+        "stages/niah.py",
+        "models/checkpoints",
+        "data/raw/val.jsonl",
+        "data/tokenizer/spm.model",
+    output:
+        "reports/niah.json",
+        "reports/niah_meta.json",
+        "reports/niah_heatmap.png",
+    threads: CFG.train.num_threads
+    shell:
+        "python stages/niah.py"
+
+
 rule plot:
     input:
         "stages/plot.py",
@@ -142,6 +158,8 @@ rule release:
         "reports/eval_meta.json",
         "reports/zeroshot.json",
         "reports/zeroshot_meta.json",
+        "reports/niah.json",
+        "reports/niah_meta.json",
     output:
         "release/MANIFEST",
     shell:

@@ -54,6 +54,10 @@ CI_RUN = {
     ("recall", "eval_every"): 2,
     ("recall", "eval_sequences"): 16,
     ("recall", "num_threads"): 1,
+    ("zeroshot", "items"): 16,
+    ("niah", "lengths"): [160],
+    ("niah", "depths"): [0.0, 1.0],
+    ("niah", "trials"): 2,
 }
 
 

@@ -268,3 +268,8 @@ def test_zeroshot_reports_are_carried_with_the_card_line(
     assert json.loads((out / "metrics/zeroshot.json").read_text())["hope_choice"] == row
     assert (out / "metrics/zeroshot_meta.json").is_file()
     assert "- zero-shot `hope_choice` (lm-eval): acc 0.375, n 64" in (out / "README.md").read_text()
+    niah = {"s_niah_1": {"len_160": {"acc": 0.5, "chance": 0.25}}, "step": STEP}
+    Path("reports/niah.json").write_text(json.dumps(niah))
+    out = build(cfg)
+    assert json.loads((out / "metrics/niah.json").read_text()) == niah
+    assert "- needle in a haystack `s_niah_1`: 160 tokens 0.5" in (out / "README.md").read_text()

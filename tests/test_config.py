@@ -176,6 +176,8 @@ BAD_VALUES = [
     ("zeroshot.tasks=[]", "zeroshot.tasks"),
     ("zeroshot.items=0", "zeroshot.items"),
     ("zeroshot.limit=0", "zeroshot.limit"),
+    ("niah.depths=[1.5]", "niah.depths"),
+    ("niah.needles=9", "niah.needles"),
     ("preset=huge", "unknown preset"),
 ]
 

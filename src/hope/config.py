@@ -24,6 +24,7 @@ from hope.config_sections import (
     Config,
     DataConfig,
     EvalConfig,
+    NiahConfig,
     OptimConfig,
     RecallConfig,
     ReleaseConfig,
@@ -38,6 +39,7 @@ __all__ = [
     "Config",
     "DataConfig",
     "EvalConfig",
+    "NiahConfig",
     "OptimConfig",
     "PRESET_DIR",
     "RecallConfig",
@@ -314,6 +316,19 @@ def _validate(cfg: Config) -> None:
         (cfg.zeroshot.batch_size >= 1, "zeroshot.batch_size must be >= 1"),
         (cfg.zeroshot.num_fewshot >= 0, "zeroshot.num_fewshot must be >= 0"),
         (cfg.zeroshot.bootstrap_iters >= 0, "zeroshot.bootstrap_iters must be >= 0"),
+        (bool(cfg.niah.tasks), "niah.tasks is empty"),
+        (bool(cfg.niah.lengths) and min(cfg.niah.lengths) > 0, "niah.lengths: positive lengths"),
+        (
+            bool(cfg.niah.depths) and all(0.0 <= d <= 1.0 for d in cfg.niah.depths),
+            "niah.depths must be fractions in [0, 1]",
+        ),
+        (cfg.niah.trials >= 1, "niah.trials must be >= 1"),
+        (cfg.niah.candidates >= 2, "niah.candidates must be >= 2"),
+        (
+            1 <= cfg.niah.needles <= cfg.niah.candidates,
+            f"niah.needles={cfg.niah.needles} must be in [1, niah.candidates]",
+        ),
+        (cfg.niah.batch_size >= 1, "niah.batch_size must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:

@@ -140,6 +140,24 @@ class ZeroshotConfig:
 
 
 @dataclass
+class NiahConfig:
+    """The ``niah`` stage (hope.eval.niah): RULER-style needle-in-a-haystack accuracy
+    over context lengths x needle depths, haystacks from the run's validation text."""
+
+    tasks: list[str] = field(
+        default_factory=lambda: ["s_niah_1", "s_niah_2", "s_niah_3", "mk_niah"]
+    )
+    # tiny: beyond the training context (128); the paper presets: 2K..16K.
+    lengths: list[int] = field(default_factory=lambda: [160, 320])  # prompt tokens
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # needle position
+    trials: int = 4  # per (task, length, depth) cell
+    candidates: int = 4  # values ranked per trial (chance 1/candidates)
+    needles: int = 3  # mk_niah's needles (<= candidates)
+    batch_size: int = 32
+    seed: int = 1234
+
+
+@dataclass
 class ReleaseConfig:
     name: str = "hope-tiny"
 
@@ -207,6 +225,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
+    niah: NiahConfig = field(default_factory=NiahConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     recall: RecallConfig = field(default_factory=RecallConfig)

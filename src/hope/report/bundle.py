@@ -54,7 +54,7 @@ REQUIRED = (
     "README.md",
 )
 # Further evaluations the bundle carries when the pipeline ran them (the DAG always does).
-OPTIONAL_REPORTS = ("zeroshot.json", "zeroshot_meta.json")
+OPTIONAL_REPORTS = ("zeroshot.json", "zeroshot_meta.json", "niah.json", "niah_meta.json")
 _ALIASES_KEY = "hope.aliases"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -228,6 +228,7 @@ def model_card(
     train: Mapping[str, Any],
     ev: Mapping[str, Any],
     zeroshot: Mapping[str, Any] | None = None,
+    niah: Mapping[str, Any] | None = None,
 ) -> str:
     """README.md of the bundle: what the model is, how well it does, how to load and check it."""
     m = ckpt_cfg.model
@@ -262,6 +263,12 @@ def model_card(
                 f"{k} {_fmt(v)}" for k, v in sorted(row.items()) if not k.endswith("_stderr")
             )
             lines.append(f"- zero-shot `{task}` (lm-eval): {shown}")
+    for task, rows in sorted((niah or {}).items()):
+        if isinstance(rows, Mapping):
+            shown = ", ".join(
+                f"{n.removeprefix('len_')} tokens {_fmt(r['acc'])}" for n, r in rows.items()
+            )
+            lines.append(f"- needle in a haystack `{task}`: {shown}")
     scalars = {k: v for k, v in train.items() if isinstance(v, (int, float, str))}
     lines += [f"- train {k}: {_fmt(v)}" for k, v in sorted(scalars.items())]
     lines += [
@@ -320,11 +327,13 @@ def _fill_bundle(
         shutil.copyfile("dvc.lock", root / "dvc.lock")
     atomic_write_json(root / "environment.json", collect_environment(cfg.train.device))
     n_params = sum(p.numel() for p in model.parameters())  # parameters() skips tied duplicates
-    zeroshot_path = reports_dir / "zeroshot.json"
-    zeroshot = (
-        _read_json(zeroshot_path, "python stages/zeroshot.py") if zeroshot_path.is_file() else None
-    )
-    card = model_card(cfg.release.name, ckpt_cfg, n_params, step, train, ev, zeroshot)
+    extra = {
+        name: _read_json(reports_dir / f"{name}.json", f"python stages/{name}.py")
+        if (reports_dir / f"{name}.json").is_file()
+        else None
+        for name in ("zeroshot", "niah")
+    }
+    card = model_card(cfg.release.name, ckpt_cfg, n_params, step, train, ev, **extra)
     atomic_write_text(root / "README.md", card)
     write_manifest(root)
 

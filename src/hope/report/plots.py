@@ -143,3 +143,27 @@ def make_plots(train_log: Path, eval_json: Path, out_dir: Path) -> list[Path]:
     )
     plot_lr(log, paths[2])
     return paths
+
+
+def plot_niah(report: Mapping[str, Mapping[str, Mapping[str, float]]], path: Path) -> None:
+    """One length x depth accuracy heatmap per NIAH task (reports/niah.json's layout)."""
+    tasks = sorted(report)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.0), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        rows = sorted(report[task], key=_length_of)
+        depths = sorted(
+            {k for row in report[task].values() for k in row if k.startswith("depth_")},
+            key=lambda k: float(k.removeprefix("depth_")),
+        )
+        grid = [[report[task][r][d] for d in depths] for r in rows]
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(depths)), [d.removeprefix("depth_") for d in depths])
+        ax.set_yticks(range(len(rows)), [str(_length_of(r)) for r in rows])
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("context tokens")
+        ax.set_title(task)
+        for i, line in enumerate(grid):
+            for j, value in enumerate(line):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white")
+    fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
+    _save(fig, path)
