@@ -25,6 +25,10 @@ COVERED = {
     r"python stages/train.py --set train.nproc_per_node=2 --set train.micro_batch_size=4": (
         f"{E2E}::test_readme_data_parallel_command_trains_on_two_ranks"
     ),
+    r"python stages/zeroshot\.py --set .*|python -m hope\.eval\.harness .*": (
+        f"{E2E}::test_readme_zeroshot_commands_run_on_the_release"
+    ),
+    r"python stages/niah\.py --set .*": f"{E2E}::test_readme_niah_command_runs",
     r"hope (generate|score|memorize|doctor|params) .*|hope doctor": (
         f"{E2E}::test_readme_hope_commands_use_the_release"
     ),
