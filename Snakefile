@@ -30,6 +30,7 @@ rule all:
         "reports/recall.json",
         "reports/zeroshot.json",
         "reports/niah.json",
+        "reports/longctx.json",
 
 
 rule download:
@@ -134,6 +135,21 @@ rule niah:
         "python stages/niah.py"
 
 
+rule longctx:
+    input:
+        "stages/longctx.py",
+        "models/checkpoints",
+        "data/raw/val.jsonl",
+        "data/tokenizer/spm.model",
+    output:
+        "reports/longctx.json",
+        "reports/longctx_meta.json",
+        "reports/longctx.png",
+    threads: CFG.train.num_threads
+    shell:
+        "python stages/longctx.py"
+
+
 rule plot:
     input:
         "stages/plot.py",
@@ -160,6 +176,8 @@ rule release:
         "reports/zeroshot_meta.json",
         "reports/niah.json",
         "reports/niah_meta.json",
+        "reports/longctx.json",
+        "reports/longctx_meta.json",
     output:
         "release/MANIFEST",
     shell:

@@ -58,6 +58,8 @@ CI_RUN = {
     ("niah", "lengths"): [160],
     ("niah", "depths"): [0.0, 1.0],
     ("niah", "trials"): 2,
+    ("longctx", "length"): 512,
+    ("longctx", "sequences"): 2,
 }
 
 

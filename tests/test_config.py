@@ -178,6 +178,8 @@ BAD_VALUES = [
     ("zeroshot.limit=0", "zeroshot.limit"),
     ("niah.depths=[1.5]", "niah.depths"),
     ("niah.needles=9", "niah.needles"),
+    ("longctx.bucket=0", "longctx.bucket"),
+    ("longctx.source=web", "longctx.source"),
     ("preset=huge", "unknown preset"),
 ]
 

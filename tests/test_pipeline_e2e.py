@@ -74,7 +74,15 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
     assert set(niah["mk_niah"]["len_160"]) >= {"acc", "acc_ci_low", "depth_0", "depth_1"}
     assert (dvc_repo / "reports/niah_heatmap.png").stat().st_size > 1000
     assert _json(dvc_repo / "release/metrics/niah.json") == niah
-    for name in ("train", "eval", "bench", "recall", "zeroshot", "niah"):  # tables
+    longctx = _json(dvc_repo / "reports/longctx.json")
+    assert longctx["tokens"] == 2 * 511 and set(longctx["by_position"]) == {
+        "0",
+        "128",
+        "256",
+        "384",
+    }
+    assert _json(dvc_repo / "release/metrics/longctx.json") == longctx
+    for name in ("train", "eval", "bench", "recall", "zeroshot", "niah", "longctx"):
         assert non_numbers(_json(dvc_repo / f"reports/{name}.json")) == [], name
         assert _json(dvc_repo / f"reports/{name}_meta.json"), name
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
@@ -108,6 +116,7 @@ SAME_BYTES = (
     "release/model.safetensors",
     "reports/zeroshot.json",
     "reports/niah.json",
+    "reports/longctx.json",
 )
 
 
@@ -274,6 +283,22 @@ def test_readme_niah_command_runs(dvc_repo: Path) -> None:
         out = run(shlex.split(command), dvc_repo).stdout
         assert "niah s_niah_1 (chance 0.25): len_160" in out and "len_320" in out
         assert set(_json(dvc_repo / "reports/niah.json")) == {"step", "s_niah_1", "mk_niah"}
+    finally:
+        for rel, blob in kept.items():
+            (dvc_repo / rel).write_bytes(blob)
+
+
+def test_readme_longctx_command_runs(dvc_repo: Path) -> None:
+    """The README's long-context command, verbatim (its outputs are put back)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Long-context perplexity")[1].split("\n## ")[0]
+    command = section.split("```bash")[1].split("```")[0].strip()
+    outputs = ("reports/longctx.json", "reports/longctx_meta.json", "reports/longctx.png")
+    kept = {rel: (dvc_repo / rel).read_bytes() for rel in outputs}
+    try:
+        out = run(shlex.split(command), dvc_repo).stdout
+        assert "longctx: loss" in out
+        assert _json(dvc_repo / "reports/longctx.json")["tokens"] == 2 * 767
     finally:
         for rel, blob in kept.items():
             (dvc_repo / rel).write_bytes(blob)

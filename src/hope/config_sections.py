@@ -138,6 +138,22 @@ class ZeroshotConfig:
     bootstrap_iters: int = 1000  # lm-eval's stderr of non-mean metrics (perplexities)
     seed: int = 1234
 
+    def checks(self) -> list[tuple[bool, str]]:
+        """(holds, message) per range rule; hope.config raises the first failing."""
+        return [
+            (bool(self.tasks), "zeroshot.tasks is empty: name at least one lm-eval task"),
+            (self.items >= 1, "zeroshot.items must be >= 1"),
+            (self.cloze_words >= 2, "zeroshot.cloze_words must be >= 2"),
+            (self.choice_words >= 1, "zeroshot.choice_words must be >= 1"),
+            (
+                self.limit is None or self.limit >= 1,
+                "zeroshot.limit must be >= 1 (or null: every document)",
+            ),
+            (self.batch_size >= 1, "zeroshot.batch_size must be >= 1"),
+            (self.num_fewshot >= 0, "zeroshot.num_fewshot must be >= 0"),
+            (self.bootstrap_iters >= 0, "zeroshot.bootstrap_iters must be >= 0"),
+        ]
+
 
 @dataclass
 class NiahConfig:
@@ -155,6 +171,52 @@ class NiahConfig:
     needles: int = 3  # mk_niah's needles (<= candidates)
     batch_size: int = 32
     seed: int = 1234
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """(holds, message) per range rule; hope.config raises the first failing."""
+        return [
+            (bool(self.tasks), "niah.tasks is empty"),
+            (bool(self.lengths) and min(self.lengths) > 0, "niah.lengths: positive lengths"),
+            (
+                bool(self.depths) and all(0.0 <= d <= 1.0 for d in self.depths),
+                "niah.depths must be fractions in [0, 1]",
+            ),
+            (self.trials >= 1, "niah.trials must be >= 1"),
+            (self.candidates >= 2, "niah.candidates must be >= 2"),
+            (
+                1 <= self.needles <= self.candidates,
+                f"niah.needles={self.needles} must be in [1, niah.candidates]",
+            ),
+            (self.batch_size >= 1, "niah.batch_size must be >= 1"),
+        ]
+
+
+@dataclass
+class LongctxConfig:
+    """The ``longctx`` stage (hope.eval.longctx): loss by position over long texts read
+    through the model's state, beyond the training context."""
+
+    source: Literal["val", "hf"] = "val"  # the run's validation text, or hf_name
+    hf_name: str = "emozilla/pg19-test"  # PG-19's test books (or a local data folder)
+    hf_split: str = "test"
+    text_field: str = "text"
+    max_documents: int = 64  # read at most this many documents from hf_name
+    length: int = 1024  # tokens per sequence (tiny: 8x its training context)
+    sequences: int = 4
+    bucket: int = 128  # position bucket width
+    window: int | None = None  # tokens per forward, state carried (null: data.seq_len)
+    batch_size: int = 4
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """(holds, message) per range rule; hope.config raises the first failing."""
+        return [
+            (self.length >= 2, "longctx.length must be >= 2"),
+            (self.sequences >= 1, "longctx.sequences must be >= 1"),
+            (1 <= self.bucket <= self.length, "longctx.bucket must be in [1, longctx.length]"),
+            (self.window is None or self.window >= 1, "longctx.window must be >= 1 (or null)"),
+            (self.batch_size >= 1, "longctx.batch_size must be >= 1"),
+            (self.max_documents >= 1, "longctx.max_documents must be >= 1"),
+        ]
 
 
 @dataclass
@@ -226,6 +288,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
     niah: NiahConfig = field(default_factory=NiahConfig)
+    longctx: LongctxConfig = field(default_factory=LongctxConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     recall: RecallConfig = field(default_factory=RecallConfig)

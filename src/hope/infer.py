@@ -210,29 +210,39 @@ class Score:
 
 
 @torch.no_grad()
-def score_ids(
-    model: LanguageModel, ids: list[int], window: int, stream: bool = False
-) -> tuple[float, int]:
-    """Summed next-token CE (nats) and count over ``ids``, read through ``forward_teach``
-    (as the model trains and is evaluated) in windows of ``window`` tokens: each a fresh
-    context, as the ``eval`` stage scores (default), or ``stream``: one context carried
-    across the windows (test-time learning over the whole text)."""
-    if len(ids) < 2:
-        raise ValueError("score: the text encodes to fewer than two tokens")
-    tokens = torch.tensor([ids], device=model.device)
+def position_losses(
+    model: LanguageModel, tokens: torch.Tensor, window: int, stream: bool = False
+) -> torch.Tensor:
+    """Next-token CE (nats, float64) at every position of ``tokens`` [B, T] but the
+    last: [B, T - 1], on the device (no host read). Read through ``forward_teach`` (as
+    the model trains and is evaluated) in windows of ``window`` tokens: each a fresh
+    context (default), or ``stream``: one context carried across the windows, so a
+    position's loss sees everything before it (long context, test-time learning)."""
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
-    total = torch.zeros((), dtype=torch.float64, device=model.device)
+    losses = []
     state = None
-    for start in range(0, len(ids), window):
+    for start in range(0, tokens.shape[1], window):
         span = slice(start, start + window)
         logits, state = model.forward_teach(tokens[:, span], targets[:, span], state)
         state = state if stream else None
         ce = F.cross_entropy(
-            logits.double().flatten(0, 1), targets[:, span].flatten(),
-            ignore_index=IGNORE_INDEX, reduction="sum",
+            logits.double().transpose(1, 2), targets[:, span],
+            ignore_index=IGNORE_INDEX, reduction="none",
         )  # fmt: skip
-        total += ce
+        losses.append(ce)
+    return torch.cat(losses, dim=1)[:, :-1]
+
+
+def score_ids(
+    model: LanguageModel, ids: list[int], window: int, stream: bool = False
+) -> tuple[float, int]:
+    """Summed next-token CE (nats) and count over ``ids`` (``position_losses``): each
+    window a fresh context, as the ``eval`` stage scores (default), or ``stream``."""
+    if len(ids) < 2:
+        raise ValueError("score: the text encodes to fewer than two tokens")
+    tokens = torch.tensor([ids], device=model.device)
+    total = position_losses(model, tokens, window, stream).sum()
     return float(total), len(ids) - 1  # the one host read
 
 

@@ -167,3 +167,15 @@ def plot_niah(report: Mapping[str, Mapping[str, Mapping[str, float]]], path: Pat
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white")
     fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
     _save(fig, path)
+
+
+def plot_longctx(buckets: Mapping[str, float | None], trained_context: int, path: Path) -> None:
+    """Mean next-token loss by position (reports/longctx.json), the training context marked."""
+    points = sorted((int(s), v) for s, v in buckets.items() if v is not None)  # null: diverged
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=1.2)
+    ax.axvline(trained_context, color="grey", linestyle="--", label="training context")
+    ax.set_xlabel("position (bucket start, tokens)")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.legend()
+    _save(fig, path)

@@ -1,0 +1,151 @@
+"""Long-context perplexity by position, the PG-19 protocol.
+
+Long token sequences (``longctx.length`` tokens each, ``longctx.sequences`` of them)
+are read through the model's state in windows of ``longctx.window`` tokens (default:
+the training context), carried from window to window, so every position's loss sees
+everything before it and lengths far beyond the training context work
+(hope.infer.position_losses, the teach pass). The report is the mean next-token loss
+per position bucket (``longctx.bucket`` tokens): does loss keep falling with more
+context, or rise past the training length?
+
+Texts: ``longctx.source: val`` (offline default) takes the run's longest validation
+documents, concatenated with EOS between them as training sees documents;
+``hf`` reads ``longctx.hf_name`` (a HuggingFace dataset name, PG-19's test split by
+default, or a local folder of data files) through ``datasets``, longest first too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hope.config import LongctxConfig, TrainConfig
+from hope.errors import ConfigError, StageError
+
+log = logging.getLogger("hope.eval")
+
+
+def load_texts(cfg: LongctxConfig, raw_val: Path) -> list[str]:
+    """Candidate documents: the validation texts, or ``hf_name``'s split."""
+    if cfg.source == "val":
+        from hope.data.download import iter_jsonl_texts
+
+        return list(iter_jsonl_texts(raw_val))
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(cfg.hf_name, split=cfg.hf_split, streaming=True)
+        texts = []
+        for row in rows:
+            if cfg.text_field not in row:
+                raise ConfigError(
+                    f"longctx.text_field: {cfg.hf_name} rows have no {cfg.text_field!r} "
+                    f"(fields: {', '.join(sorted(row))})"
+                )
+            texts.append(str(row[cfg.text_field]))
+            if len(texts) >= cfg.max_documents:
+                break
+    except (ConnectionError, FileNotFoundError) as err:
+        raise StageError(
+            f"longctx.hf_name={cfg.hf_name!r} could not be read ({type(err).__name__}: {err}); "
+            "set longctx.source=val to use the run's validation text"
+        ) from None
+    return texts
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN/Inf: a non-finite number is reported as null (not measured)."""
+    return value if math.isfinite(value) else None
+
+
+def long_sequences(
+    texts: Sequence[str], encode: Callable[[str], list[int]], eos: int, length: int, count: int
+) -> torch.Tensor:
+    """[count, length] token ids: the longest documents first, each followed by EOS,
+    cut into consecutive sequences (no token used twice)."""
+    order = sorted(range(len(texts)), key=lambda i: (-len(texts[i]), i))
+    stream: list[int] = []
+    for index in order:
+        stream += [*encode(texts[index]), eos]
+        if len(stream) >= length * count:
+            break
+    if len(stream) < length * count:
+        raise StageError(
+            f"longctx: the texts hold {len(stream)} tokens, fewer than longctx.sequences="
+            f"{count} x longctx.length={length}; lower them or use longer texts"
+        )
+    return torch.tensor(stream[: length * count], dtype=torch.long).view(count, length)
+
+
+def by_position(losses: torch.Tensor, bucket: int) -> dict[str, float]:
+    """Mean loss of each ``bucket``-token span of positions (keyed by its first
+    position) over every sequence; ``losses`` [B, T] (a position's loss predicts the
+    next token). One host read."""
+    width = losses.shape[1]
+    starts = list(range(0, width, bucket))
+    means = torch.stack([losses[:, s : s + bucket].mean() for s in starts]).tolist()
+    return {str(s): m for s, m in zip(starts, means, strict=True)}
+
+
+def run_longctx(
+    cfg: LongctxConfig, ckpt_dir: Path, tokenizer_model: Path, raw_val: Path, train: TrainConfig
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``longctx`` stage: (metrics, records) for reports/longctx.json, _meta.json."""
+    from hope.data.tokenizer import load_tokenizer
+    from hope.infer import position_losses
+    from hope.train.checkpoint import load_model
+    from hope.train.device import autocast_dtype, configure_numerics, resolve_device
+    from hope.train.step import autocast
+
+    device = resolve_device(train.device)
+    configure_numerics(train, device)
+    model, ckpt_cfg, step = load_model(ckpt_dir, device)
+    window = cfg.window or ckpt_cfg.data.seq_len
+    if model.cfg.variant == "titans_mac" and window % model.cfg.titans_chunk:
+        raise ConfigError(
+            f"longctx.window={window} must be a multiple of model.titans_chunk="
+            f"{model.cfg.titans_chunk} (titans_mac carries its state at segment boundaries)"
+        )
+    sp = load_tokenizer(tokenizer_model)
+    tokens = long_sequences(
+        load_texts(cfg, raw_val), lambda t: list(sp.encode(t)), sp.eos_id(), cfg.length,
+        cfg.sequences,
+    )  # fmt: skip
+    parts = []
+    with autocast(device, autocast_dtype(device, train.precision)):
+        for start in range(0, tokens.shape[0], cfg.batch_size):
+            rows = tokens[start : start + cfg.batch_size].to(device)
+            parts.append(position_losses(model, rows, window, stream=True))
+    losses = torch.cat(parts)
+    bad = (~torch.isfinite(losses)).any(0).nonzero()
+    diverged = int(bad[0]) if bad.numel() else None
+    if diverged is not None:
+        log.warning(
+            "longctx: the loss is not finite from position %d on (the state read through "
+            "the teach pass diverged); those buckets are reported as null", diverged,
+        )  # fmt: skip
+    buckets = {k: _finite(v) for k, v in by_position(losses, cfg.bucket).items()}
+    loss = _finite(float(losses.mean()))
+    metrics = {
+        "step": step,
+        "loss": loss,
+        "ppl": None if loss is None else math.exp(min(loss, 50.0)),
+        "tokens": losses.numel(),
+        "by_position": buckets,
+    }
+    records = {
+        "first_nonfinite_position": diverged,
+        # teach_pass CMS: each window's teach signal from its start weights (the window is
+        # the approximation's chunk); exact_online: independent of the window.
+        "cms_mode": ckpt_cfg.model.cms_mode,
+        "variant": ckpt_cfg.model.variant,
+        "trained_context": ckpt_cfg.data.seq_len,
+        "window": window,
+        "source": cfg.source if cfg.source == "val" else cfg.hf_name,
+    }
+    return metrics, records
