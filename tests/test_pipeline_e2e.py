@@ -272,6 +272,22 @@ def test_readme_zeroshot_commands_run_on_the_release(dvc_repo: Path) -> None:
         shutil.rmtree(dvc_repo / "reports/lm_eval", ignore_errors=True)
 
 
+def test_readme_tables_command_runs(dvc_repo: Path) -> None:
+    """The README's tables command, verbatim: the checkout and its release give the
+    same rows (the bundle carries the same reports)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### The papers' tables")[1].split("\n## ")[0]
+    command = section.split("```bash")[1].split("```")[0].strip()
+    try:
+        run(shlex.split(command), dvc_repo)
+        table1 = (dvc_repo / "reports/tables/table1.md").read_text().splitlines()
+        assert table1[2].removeprefix("| checkout") == table1[3].removeprefix("| release")
+        assert "| 0." not in table1[2] and "Hella." in table1[0]
+        assert "S-NIAH-1 160" in (dvc_repo / "reports/tables/table2.csv").read_text()
+    finally:
+        shutil.rmtree(dvc_repo / "reports/tables", ignore_errors=True)
+
+
 def test_readme_niah_command_runs(dvc_repo: Path) -> None:
     """The README's NIAH command, verbatim (its outputs are put back afterwards)."""
     readme = (ROOT / "README.md").read_text()

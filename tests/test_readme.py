@@ -29,6 +29,7 @@ COVERED = {
         f"{E2E}::test_readme_zeroshot_commands_run_on_the_release"
     ),
     r"python stages/niah\.py --set .*": f"{E2E}::test_readme_niah_command_runs",
+    r"python -m hope\.report\.tables .*": f"{E2E}::test_readme_tables_command_runs",
     r"python stages/longctx\.py --set .*": f"{E2E}::test_readme_longctx_command_runs",
     r"hope (generate|score|memorize|doctor|params) .*|hope doctor": (
         f"{E2E}::test_readme_hope_commands_use_the_release"
