@@ -31,6 +31,7 @@ rule all:
         "reports/zeroshot.json",
         "reports/niah.json",
         "reports/longctx.json",
+        "reports/continual.json",
 
 
 rule download:
@@ -150,6 +151,20 @@ rule longctx:
         "python stages/longctx.py"
 
 
+rule continual:
+    input:
+        "stages/continual.py",
+        "models/checkpoints",
+        "data/tokenizer/spm.model",
+    output:
+        "reports/continual.json",
+        "reports/continual_meta.json",
+        "reports/continual.png",
+    threads: CFG.train.num_threads
+    shell:
+        "python stages/continual.py"
+
+
 rule plot:
     input:
         "stages/plot.py",
@@ -178,6 +193,8 @@ rule release:
         "reports/niah_meta.json",
         "reports/longctx.json",
         "reports/longctx_meta.json",
+        "reports/continual.json",
+        "reports/continual_meta.json",
     output:
         "release/MANIFEST",
     shell:

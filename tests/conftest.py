@@ -60,6 +60,9 @@ CI_RUN = {
     ("niah", "trials"): 2,
     ("longctx", "length"): 512,
     ("longctx", "sequences"): 2,
+    ("continual", "segments"): ["json", "csv"],
+    ("continual", "write_tokens"): 128,
+    ("continual", "probe_tokens"): 32,
 }
 
 

@@ -180,6 +180,8 @@ BAD_VALUES = [
     ("niah.needles=9", "niah.needles"),
     ("longctx.bucket=0", "longctx.bucket"),
     ("longctx.source=web", "longctx.source"),
+    ("continual.segments=[]", "continual.segments"),
+    ("continual.segments=[json,json]", "continual.segments"),
     ("preset=huge", "unknown preset"),
 ]
 

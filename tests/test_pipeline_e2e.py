@@ -82,7 +82,10 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
         "384",
     }
     assert _json(dvc_repo / "release/metrics/longctx.json") == longctx
-    for name in ("train", "eval", "bench", "recall", "zeroshot", "niah", "longctx"):
+    continual = _json(dvc_repo / "reports/continual.json")
+    assert set(continual["after"]) == {"0_json", "1_csv"} and "bwt" in continual
+    assert _json(dvc_repo / "release/metrics/continual.json") == continual
+    for name in ("train", "eval", "bench", "recall", "zeroshot", "niah", "longctx", "continual"):
         assert non_numbers(_json(dvc_repo / f"reports/{name}.json")) == [], name
         assert _json(dvc_repo / f"reports/{name}_meta.json"), name
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
@@ -117,6 +120,7 @@ SAME_BYTES = (
     "reports/zeroshot.json",
     "reports/niah.json",
     "reports/longctx.json",
+    "reports/continual.json",
 )
 
 
@@ -315,6 +319,22 @@ def test_readme_longctx_command_runs(dvc_repo: Path) -> None:
         out = run(shlex.split(command), dvc_repo).stdout
         assert "longctx: loss" in out
         assert _json(dvc_repo / "reports/longctx.json")["tokens"] == 2 * 767
+    finally:
+        for rel, blob in kept.items():
+            (dvc_repo / rel).write_bytes(blob)
+
+
+def test_readme_continual_command_runs(dvc_repo: Path) -> None:
+    """The README's continual-learning command, verbatim (its outputs are put back)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Continual learning in the fast state")[1].split("\n## ")[0]
+    command = section.split("```bash")[1].split("```")[0].strip()
+    outputs = ("reports/continual.json", "reports/continual_meta.json", "reports/continual.png")
+    kept = {rel: (dvc_repo / rel).read_bytes() for rel in outputs}
+    try:
+        out = run(shlex.split(command), dvc_repo).stdout
+        assert "continual: BWT" in out
+        assert set(_json(dvc_repo / "reports/continual.json")["base"]) == {"json", "csv", "email"}
     finally:
         for rel, blob in kept.items():
             (dvc_repo / rel).write_bytes(blob)

@@ -31,6 +31,7 @@ COVERED = {
     r"python stages/niah\.py --set .*": f"{E2E}::test_readme_niah_command_runs",
     r"python -m hope\.report\.tables .*": f"{E2E}::test_readme_tables_command_runs",
     r"python stages/longctx\.py --set .*": f"{E2E}::test_readme_longctx_command_runs",
+    r"python stages/continual\.py --set .*": f"{E2E}::test_readme_continual_command_runs",
     r"hope (generate|score|memorize|doctor|params) .*|hope doctor": (
         f"{E2E}::test_readme_hope_commands_use_the_release"
     ),

@@ -22,6 +22,7 @@ import yaml
 from hope.config_sections import (
     BenchConfig,
     Config,
+    ContinualConfig,
     DataConfig,
     EvalConfig,
     LongctxConfig,
@@ -38,6 +39,7 @@ from hope.errors import ConfigError
 __all__ = [
     "BenchConfig",
     "Config",
+    "ContinualConfig",
     "DataConfig",
     "EvalConfig",
     "LongctxConfig",
@@ -310,6 +312,7 @@ def _validate(cfg: Config) -> None:
         *cfg.zeroshot.checks(),
         *cfg.niah.checks(),
         *cfg.longctx.checks(),
+        *cfg.continual.checks(),
     ]
     for ok, message in checks:
         if not ok:

@@ -220,6 +220,29 @@ class LongctxConfig:
 
 
 @dataclass
+class ContinualConfig:
+    """The ``continual`` stage (hope.eval.continual): segments memorised in order into the
+    fast state, every segment's held-out loss after each; forgetting and BWT."""
+
+    segments: list[str] = field(default_factory=lambda: ["json", "email", "unittest", "asyncio"])
+    write_tokens: int = 512  # per segment, memorised
+    probe_tokens: int = 128  # per segment, held out and scored
+    paths: list[str] | None = None  # memories written (MemorizeConfig.paths; null: all)
+    layers: list[int] | None = None  # blocks written (null: all)
+    steps: int = 1  # passes over each write part
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """(holds, message) per range rule; hope.config raises the first failing."""
+        return [
+            (bool(self.segments), "continual.segments is empty: name at least one segment"),
+            (len(set(self.segments)) == len(self.segments), "continual.segments repeats a name"),
+            (self.write_tokens >= 1, "continual.write_tokens must be >= 1"),
+            (self.probe_tokens >= 2, "continual.probe_tokens must be >= 2"),
+            (self.steps >= 1, "continual.steps must be >= 1"),
+        ]
+
+
+@dataclass
 class ReleaseConfig:
     name: str = "hope-tiny"
 
@@ -289,6 +312,7 @@ class Config:
     zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
     niah: NiahConfig = field(default_factory=NiahConfig)
     longctx: LongctxConfig = field(default_factory=LongctxConfig)
+    continual: ContinualConfig = field(default_factory=ContinualConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     recall: RecallConfig = field(default_factory=RecallConfig)

@@ -55,7 +55,9 @@ REQUIRED = (
 )
 # Further evaluations the bundle carries when the pipeline ran them (the DAG always does).
 OPTIONAL_REPORTS = tuple(
-    f"{name}{tail}.json" for name in ("zeroshot", "niah", "longctx") for tail in ("", "_meta")
+    f"{name}{tail}.json"
+    for name in ("zeroshot", "niah", "longctx", "continual")
+    for tail in ("", "_meta")
 )
 _ALIASES_KEY = "hope.aliases"
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -179,3 +179,19 @@ def plot_longctx(buckets: Mapping[str, float | None], trained_context: int, path
     ax.set_ylabel("next-token loss (nats)")
     ax.legend()
     _save(fig, path)
+
+
+def plot_continual(names: Sequence[str], metrics: Mapping[str, Any], path: Path) -> None:
+    """Forgetting curves: each segment's held-out loss from a fresh state, then after
+    each segment is written (reports/continual.json)."""
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    after = list(metrics["after"].values())
+    xs = list(range(len(after) + 1))
+    for name in names:
+        ys = [metrics["base"][name], *(row[name] for row in after)]
+        ax.plot(xs, ys, marker="o", linewidth=1.2, label=name)
+    ax.set_xticks(xs, ["fresh", *(f"+{n}" for n in names)])
+    ax.set_xlabel("segments memorised")
+    ax.set_ylabel("held-out loss (nats)")
+    ax.legend()
+    _save(fig, path)

@@ -1,0 +1,86 @@
+"""Continual learning in the fast state (hope.eval.continual): writing a segment changes
+what the memories hold for earlier ones, nothing changes when no memory is written,
+and the forgetting summary is the arithmetic it claims."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import make_bundle, rand_tokens, tiny_lm
+from hope.errors import ConfigError
+from hope.eval.continual import forgetting_matrix, package_text, summarise
+from hope.io import non_numbers
+from hope.model.memorize import MemorizeConfig
+from test_eval import load_stage
+from test_zeroshot import SHAPE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _segments(count: int) -> list[tuple[list[int], list[int]]]:
+    return [
+        (rand_tokens(1, 32, seed=10 + k)[0].tolist(), rand_tokens(1, 12, seed=20 + k)[0].tolist())
+        for k in range(count)
+    ]
+
+
+@pytest.mark.parametrize("variant", ["hope", "titans_lmm"])
+def test_writing_a_later_segment_changes_the_loss_on_an_earlier_one(variant: str) -> None:
+    model = tiny_lm(variant, "model.cms_lr=0.01")
+    base, after = forgetting_matrix(model, _segments(3), MemorizeConfig())
+    assert len(after) == 3 and all(len(row) == 3 for row in after)
+    assert abs(after[1][0] - after[0][0]) > 1e-4  # writing B moved A's loss
+    assert abs(after[0][0] - base[0]) > 1e-4  # writing A moved A's loss
+
+
+def test_no_memory_written_means_no_loss_changes() -> None:
+    """The control: the probes read the memories alone (fresh context), so with every
+    layer excluded from the writes each probe's loss stays its fresh-state loss."""
+    model = tiny_lm("hope", "model.cms_lr=0.01")
+    base, after = forgetting_matrix(model, _segments(3), MemorizeConfig(layers=()))
+    assert all(row == base for row in after)
+
+
+def test_summary_is_forgetting_bwt_and_memorised_delta() -> None:
+    names = ["a", "b", "c"]
+    base = [5.0, 5.0, 5.0]
+    after = [[4.0, 5.1, 5.2], [4.5, 3.0, 5.0], [4.8, 3.5, 2.0]]
+    out = summarise(names, base, after)
+    assert out["forgetting"] == {"a": 0.7999999999999998, "b": 0.5, "c": 0.0}
+    assert out["bwt"] == pytest.approx(((4.8 - 4.0) + (3.5 - 3.0)) / 2)
+    assert out["memorised_delta"] == {"a": -1.0, "b": -2.0, "c": -3.0}
+    assert out["after"]["1_b"] == {"a": 4.5, "b": 3.0, "c": 5.0}
+    assert non_numbers(out) == []
+
+
+def test_segments_are_stdlib_package_docstrings() -> None:
+    assert "JSON" in package_text("json")
+    with pytest.raises(ConfigError, match="'no_such_pkg' is no documented stdlib package"):
+        package_text("no_such_pkg")
+
+
+def test_stage_reports_the_matrix_and_refuses_bad_segments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_bundle(tmp_path / "made")
+    (tmp_path / "data/tokenizer").mkdir(parents=True)
+    shutil.copy(tmp_path / "made/tok/spm.model", tmp_path / "data/tokenizer/spm.model")
+    shutil.copytree(tmp_path / "made/ckpt", tmp_path / "models/checkpoints")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--params", str(ROOT / "params.yaml"), *(f"--set={s}" for s in SHAPE),
+            "--set=continual.segments=[json,csv]", "--set=continual.write_tokens=64",
+            "--set=continual.probe_tokens=32"]  # fmt: skip
+    assert load_stage("continual").main_with(argv) == 0
+    metrics = json.loads(Path("reports/continual.json").read_text())
+    assert non_numbers(metrics) == [] and metrics["step"] == 3
+    assert set(metrics["after"]) == {"0_json", "1_csv"} and set(metrics["base"]) == {"json", "csv"}
+    assert Path("reports/continual.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert load_stage("continual").main_with([*argv, "--set=continual.segments=[jsonx]"]) == 2
+    assert "'jsonx' is no documented stdlib package" in capsys.readouterr().err
+    assert load_stage("continual").main_with([*argv, "--set=continual.paths=[kv]"]) == 2
+    assert "continual: MemorizeConfig.paths: unknown path 'kv'" in capsys.readouterr().err
