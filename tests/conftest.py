@@ -182,6 +182,30 @@ def make_bundle(root: Path, *extra: str) -> Path:
     return build_bundle(cfg, ckpt, root / "tok", reports, root / "release")
 
 
+# The shape of the make_bundle model, as --set overrides for a stage run on its layout.
+BUNDLE_SHAPE = ["tokenizer.vocab_size=512", "tokenizer.model_type=bpe", "model.dim=16",
+                "model.n_layers=1", "model.n_heads=2", "data.seq_len=32"]  # fmt: skip
+
+
+def make_pipeline_layout(root: Path) -> Path:
+    """``root`` laid out as the pipeline leaves it before the evaluation stages
+    (data/raw/val.jsonl, data/tokenizer/spm.model, models/checkpoints/ of the untrained
+    make_bundle model); returns ``root``."""
+    make_bundle(root / "made")
+    (root / "data/raw").mkdir(parents=True)
+    (root / "data/tokenizer").mkdir(parents=True)
+    shutil.copy(root / "made/raw/val.jsonl", root / "data/raw/val.jsonl")
+    shutil.copy(root / "made/tok/spm.model", root / "data/tokenizer/spm.model")
+    shutil.copytree(root / "made/ckpt", root / "models/checkpoints")
+    return root
+
+
+def stage_argv(*sets: str) -> list[str]:
+    """Arguments of a stage run on make_pipeline_layout: params.yaml, the bundle's
+    shape, then ``sets``."""
+    return ["--params", str(ROOT / "params.yaml"), *(f"--set={s}" for s in [*BUNDLE_SHAPE, *sets])]
+
+
 def set_params(repo: Path, values: Mapping[tuple[str, str], object]) -> None:
     """Set ``(section, key) -> value`` in the copy's params.yaml; every key must exist."""
     path = repo / "params.yaml"

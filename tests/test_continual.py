@@ -5,18 +5,16 @@ and the forgetting summary is the arithmetic it claims."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import make_bundle, rand_tokens, tiny_lm
+from conftest import make_pipeline_layout, rand_tokens, stage_argv, tiny_lm
 from hope.errors import ConfigError
 from hope.eval.continual import forgetting_matrix, package_text, summarise
 from hope.io import non_numbers
 from hope.model.memorize import MemorizeConfig
 from test_eval import load_stage
-from test_zeroshot import SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,14 +64,10 @@ def test_segments_are_stdlib_package_docstrings() -> None:
 def test_stage_reports_the_matrix_and_refuses_bad_segments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    make_bundle(tmp_path / "made")
-    (tmp_path / "data/tokenizer").mkdir(parents=True)
-    shutil.copy(tmp_path / "made/tok/spm.model", tmp_path / "data/tokenizer/spm.model")
-    shutil.copytree(tmp_path / "made/ckpt", tmp_path / "models/checkpoints")
-    monkeypatch.chdir(tmp_path)
-    argv = ["--params", str(ROOT / "params.yaml"), *(f"--set={s}" for s in SHAPE),
-            "--set=continual.segments=[json,csv]", "--set=continual.write_tokens=64",
-            "--set=continual.probe_tokens=32"]  # fmt: skip
+    monkeypatch.chdir(make_pipeline_layout(tmp_path))
+    argv = stage_argv(
+        "continual.segments=[json,csv]", "continual.write_tokens=64", "continual.probe_tokens=32"
+    )
     assert load_stage("continual").main_with(argv) == 0
     metrics = json.loads(Path("reports/continual.json").read_text())
     assert non_numbers(metrics) == [] and metrics["step"] == 3

@@ -5,20 +5,18 @@ local dataset folder, and the stage reports numbers only."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_bundle, rand_tokens, tiny_lm
+from conftest import make_pipeline_layout, rand_tokens, stage_argv, tiny_lm
 from hope.config import LongctxConfig
 from hope.errors import ConfigError, StageError
 from hope.eval.longctx import by_position, load_texts, long_sequences
 from hope.infer import position_losses
 from hope.io import non_numbers
 from test_eval import load_stage
-from test_zeroshot import SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,16 +75,8 @@ def test_hf_source_reads_a_local_dataset_folder_and_names_a_missing_field(
 def test_stage_reports_loss_by_position_beyond_the_training_context(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    make_bundle(tmp_path / "made")
-    (tmp_path / "data/raw").mkdir(parents=True)
-    (tmp_path / "data/tokenizer").mkdir(parents=True)
-    shutil.copy(tmp_path / "made/raw/val.jsonl", tmp_path / "data/raw/val.jsonl")
-    shutil.copy(tmp_path / "made/tok/spm.model", tmp_path / "data/tokenizer/spm.model")
-    shutil.copytree(tmp_path / "made/ckpt", tmp_path / "models/checkpoints")
-    monkeypatch.chdir(tmp_path)
-    argv = ["--params", str(ROOT / "params.yaml"), *(f"--set={s}" for s in SHAPE),
-            "--set=longctx.length=96", "--set=longctx.sequences=2",
-            "--set=longctx.bucket=32"]  # fmt: skip
+    monkeypatch.chdir(make_pipeline_layout(tmp_path))
+    argv = stage_argv("longctx.length=96", "longctx.sequences=2", "longctx.bucket=32")
     assert load_stage("longctx").main_with(argv) == 0
     metrics = json.loads(Path("reports/longctx.json").read_text())
     records = json.loads(Path("reports/longctx_meta.json").read_text())

@@ -136,25 +136,15 @@ def test_stage_writes_numbers_heatmap_and_refuses_bad_input(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     import json
-    import shutil
     from pathlib import Path
 
-    from conftest import make_bundle
+    from conftest import make_pipeline_layout, stage_argv
     from hope.io import non_numbers
     from test_eval import load_stage
-    from test_zeroshot import SHAPE
 
-    root = tmp_path_factory.mktemp("niah")
-    make_bundle(root / "made")
-    (root / "data/raw").mkdir(parents=True)
-    (root / "data/tokenizer").mkdir(parents=True)
-    shutil.copy(root / "made/raw/val.jsonl", root / "data/raw/val.jsonl")
-    shutil.copy(root / "made/tok/spm.model", root / "data/tokenizer/spm.model")
-    shutil.copytree(root / "made/ckpt", root / "models/checkpoints")
-    monkeypatch.chdir(root)
-    params = ["--params", str(Path(__file__).resolve().parents[1] / "params.yaml")]
-    sets = [f"--set={s}" for s in SHAPE] + ["--set=niah.depths=[0.0,1.0]", "--set=niah.trials=2"]
-    assert load_stage("niah").main_with(params + sets + ["--set=niah.lengths=[240,320]"]) == 0
+    monkeypatch.chdir(make_pipeline_layout(tmp_path_factory.mktemp("niah")))
+    sets = ["niah.depths=[0.0,1.0]", "niah.trials=2"]
+    assert load_stage("niah").main_with(stage_argv(*sets, "niah.lengths=[240,320]")) == 0
     metrics = json.loads(Path("reports/niah.json").read_text())
     assert non_numbers(metrics) == [] and metrics["step"] == 3
     assert set(metrics) == {"step", *TASKS}
@@ -164,7 +154,7 @@ def test_stage_writes_numbers_heatmap_and_refuses_bad_input(
     assert Path("reports/niah_heatmap.png").stat().st_size > 1000
     assert json.loads(Path("reports/niah_meta.json").read_text())["variant"] == "hope"
     capsys.readouterr()
-    assert load_stage("niah").main_with(params + sets + ["--set=niah.lengths=[60]"]) == 2
+    assert load_stage("niah").main_with(stage_argv(*sets, "niah.lengths=[60]")) == 2
     assert "niah.lengths: 60 tokens is too short" in capsys.readouterr().err
-    assert load_stage("niah").main_with(params + sets + ["--set=niah.tasks=[s_niah_9]"]) == 2
+    assert load_stage("niah").main_with(stage_argv(*sets, "niah.tasks=[s_niah_9]")) == 2
     assert "niah.tasks: unknown task 's_niah_9'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_bundle
+from conftest import make_pipeline_layout, stage_argv
 from hope.errors import StageError
 from hope.eval.zeroshot import flatten_results
 from hope.eval.zeroshot_items import CHOICES, choice_items, cloze_items, write_items
@@ -21,8 +21,6 @@ TEXTS = [
     " ".join(f"word{d}x{i}" if i % 5 else f"alpha{chr(97 + (d + i) % 26)}" for i in range(120))
     for d in range(6)
 ]
-SHAPE = ["tokenizer.vocab_size=512", "tokenizer.model_type=bpe", "model.dim=16",
-         "model.n_layers=1", "model.n_heads=2", "data.seq_len=32"]  # fmt: skip
 
 
 def test_cloze_items_end_on_the_passage_word_and_are_reproducible() -> None:
@@ -65,21 +63,14 @@ def test_flatten_results_keeps_numbers_and_names_filters() -> None:
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A pipeline layout (raw val texts, tokenizer, checkpoint, task YAMLs) of an
     untrained tiny hope model."""
-    root = tmp_path_factory.mktemp("zeroshot")
-    make_bundle(root / "made")
-    (root / "data/raw").mkdir(parents=True)
-    (root / "data/tokenizer").mkdir(parents=True)
-    shutil.copy(root / "made/raw/val.jsonl", root / "data/raw/val.jsonl")
-    shutil.copy(root / "made/tok/spm.model", root / "data/tokenizer/spm.model")
-    shutil.copytree(root / "made/ckpt", root / "models/checkpoints")
+    root = make_pipeline_layout(tmp_path_factory.mktemp("zeroshot"))
     shutil.copytree(ROOT / "configs/lm_eval", root / "configs/lm_eval")
     return root
 
 
 def _stage(workdir: Path, monkeypatch: pytest.MonkeyPatch, *sets: str) -> int:
     monkeypatch.chdir(workdir)
-    argv = ["--params", str(ROOT / "params.yaml"), *(f"--set={s}" for s in [*SHAPE, *sets])]
-    return load_stage("zeroshot").main_with(argv)
+    return load_stage("zeroshot").main_with(stage_argv(*sets))
 
 
 def test_stage_runs_lm_eval_on_the_offline_tasks(
