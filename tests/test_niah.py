@@ -124,6 +124,18 @@ def test_bad_settings_are_one_clear_error() -> None:
         build_prompt(task_spec("mk_niah", 4), encode, ESSAY, 100, 0.5, random.Random(0), 4)
 
 
+def test_memorise_then_ask_is_refused_for_titans_mac() -> None:
+    from conftest import tiny_lm
+    from hope.config import NiahConfig
+    from hope.eval.niah import memorize_config
+
+    assert memorize_config(NiahConfig(), tiny_lm("titans_mac")) is None  # off by default
+    with pytest.raises(ConfigError, match="niah.memorize_steps: titans_mac"):
+        memorize_config(NiahConfig(memorize_steps=1), tiny_lm("titans_mac"))
+    with pytest.raises(ConfigError, match="niah: MemorizeConfig.paths: unknown path 'kv'"):
+        memorize_config(NiahConfig(memorize_steps=1, memorize_paths=["kv"]), tiny_lm("hope"))
+
+
 def test_wilson_interval_brackets_the_proportion() -> None:
     low, high = wilson(8, 10)
     assert low < 0.8 < high and low >= 0.0 and high <= 1.0
@@ -144,17 +156,60 @@ def test_stage_writes_numbers_heatmap_and_refuses_bad_input(
 
     monkeypatch.chdir(make_pipeline_layout(tmp_path_factory.mktemp("niah")))
     sets = ["niah.depths=[0.0,1.0]", "niah.trials=2"]
-    assert load_stage("niah").main_with(stage_argv(*sets, "niah.lengths=[240,320]")) == 0
+    assert load_stage("niah").main_with(stage_argv(*sets, "niah.lengths=[256]")) == 0
     metrics = json.loads(Path("reports/niah.json").read_text())
     assert non_numbers(metrics) == [] and metrics["step"] == 3
     assert set(metrics) == {"step", *TASKS}
-    row = metrics["mk_niah"]["len_320"]
+    row = metrics["mk_niah"]["len_256"]
     assert set(row) == {"acc", "acc_ci_low", "acc_ci_high", "chance", "depth_0", "depth_1"}
     assert row["acc"] == (row["depth_0"] + row["depth_1"]) / 2
     assert Path("reports/niah_heatmap.png").stat().st_size > 1000
     assert json.loads(Path("reports/niah_meta.json").read_text())["variant"] == "hope"
+    adaptive = stage_argv(*sets, "niah.lengths=[256]", "niah.tasks=[s_niah_1]",
+                          "niah.memorize_steps=2")  # fmt: skip
+    assert load_stage("niah").main_with(adaptive) == 0
+    row = json.loads(Path("reports/niah.json").read_text())["s_niah_1"]["len_256"]
+    assert row["adaptive_delta"] == pytest.approx(row["adaptive_acc"] - row["acc"])
     capsys.readouterr()
     assert load_stage("niah").main_with(stage_argv(*sets, "niah.lengths=[60]")) == 2
     assert "niah.lengths: 60 tokens is too short" in capsys.readouterr().err
     assert load_stage("niah").main_with(stage_argv(*sets, "niah.tasks=[s_niah_9]")) == 2
     assert "niah.tasks: unknown task 's_niah_9'" in capsys.readouterr().err
+
+
+def _word_encode(text: str) -> list[int]:
+    """Words and punctuation into tiny_lm's 64-token vocabulary (a stable hash)."""
+    import re
+    import zlib
+
+    return [zlib.crc32(w.encode()) % 64 for w in re.findall(r"\w+|[^\w\s]", text)]
+
+
+@pytest.mark.parametrize("variant", ["hope", "transformer", "titans_lmm"])
+def test_one_memorisation_pass_scores_as_reading_the_prompt(variant: str) -> None:
+    """Memorise-then-ask with one online pass == the plain read, candidate by candidate
+    (float64); two passes change what the memories hold (and the scores)."""
+    from conftest import tiny_lm
+    from hope.eval.niah import build_task, memorized_scores
+    from hope.model.memorize import MemorizeConfig
+
+    online = ["model.cms_mode=exact_online", "model.cms_lr=0.01"] if variant == "hope" else []
+    model = tiny_lm(variant, *online).double().eval()  # test time, as memorisation runs
+    essay = _word_encode(ESSAY_TEXT)
+    # 73 tokens: the memorised 72 end on every CMS/SMT/Titans chunk grid of tiny_lm.
+    task = build_task(task_spec("s_niah_2", 1), _word_encode, essay, 73, 0.5, 2, 3, seed="m")
+    trials, n_cand, _ = task.candidates.shape
+    plain = torch.empty(trials, n_cand, dtype=torch.float64)
+    with torch.no_grad():  # the reference: prompt and candidate in one teach pass
+        for i in range(trials):
+            for c in range(n_cand):
+                cand = task.candidates[i, c][task.candidate_mask[i, c]]
+                seq = torch.cat([task.prompts[i], cand])[None]
+                logits, _ = model.forward_teach(seq[:, :-1], seq[:, 1:])
+                logp = logits[0, -len(cand) :].log_softmax(-1)
+                plain[i, c] = logp.gather(-1, cand[:, None]).sum()
+    once = memorized_scores(model, task, MemorizeConfig(steps=1), 8, CPU)
+    torch.testing.assert_close(once, plain, rtol=1e-9, atol=1e-9)
+    if variant != "transformer":  # no memory to write twice
+        twice = memorized_scores(model, task, MemorizeConfig(steps=2), 8, CPU)
+        assert (twice - once).abs().max() > 1e-6

@@ -39,7 +39,7 @@ COMMAND = [
     "--seconds-between-status-checks",
     "1",
 ]
-TIMEOUT_S = 240
+TIMEOUT_S = 420  # 12 jobs, 4 of them evaluations, side by side on 2 cores
 
 SMALL_RUN = {
     ("train", "steps"): 4,
@@ -66,6 +66,17 @@ SMALL_RUN = {
     ("recall", "batch_size"): 2,
     ("recall", "eval_sequences"): 4,
     ("recall", "num_threads"): 1,
+    # The evaluation stages, each at its smallest meaningful size.
+    ("zeroshot", "items"): 8,
+    ("niah", "tasks"): ["s_niah_1"],
+    ("niah", "lengths"): [160],
+    ("niah", "depths"): [0.5],
+    ("niah", "trials"): 1,
+    ("longctx", "length"): 256,
+    ("longctx", "sequences"): 1,
+    ("continual", "segments"): ["json", "csv"],
+    ("continual", "write_tokens"): 64,
+    ("continual", "probe_tokens"): 16,
 }
 
 

@@ -170,6 +170,10 @@ class NiahConfig:
     candidates: int = 4  # values ranked per trial (chance 1/candidates)
     needles: int = 3  # mk_niah's needles (<= candidates)
     batch_size: int = 32
+    # Test-time memorisation before the question (0: off): passes over each prompt, and
+    # the memories written (hope.model.memorize paths; null: all). Adds adaptive_acc.
+    memorize_steps: int = 0
+    memorize_paths: list[str] | None = None
     seed: int = 1234
 
     def checks(self) -> list[tuple[bool, str]]:
@@ -188,6 +192,7 @@ class NiahConfig:
                 f"niah.needles={self.needles} must be in [1, niah.candidates]",
             ),
             (self.batch_size >= 1, "niah.batch_size must be >= 1"),
+            (self.memorize_steps >= 0, "niah.memorize_steps must be >= 0 (0: off)"),
         ]
 
 

@@ -38,7 +38,10 @@ import torch
 from hope.config import NiahConfig, TrainConfig
 from hope.errors import ConfigError
 from hope.eval.passkey import FILLER, Encode, PasskeyTask, score_task
+from hope.memory.fast_state import map_tensors
 from hope.model.lm import LanguageModel
+from hope.model.memorize import MemorizeConfig, memorize
+from hope.train.step import autocast
 
 TASKS = ("s_niah_1", "s_niah_2", "s_niah_3", "mk_niah")
 KEY_WORDS = (
@@ -154,6 +157,52 @@ def build_task(
     return PasskeyTask(torch.tensor(prompts, dtype=torch.long), cand, mask, [0] * trials)
 
 
+@torch.no_grad()
+def memorized_scores(
+    model: LanguageModel,
+    task: PasskeyTask,
+    mem: MemorizeConfig,
+    batch_size: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Candidate log-likelihoods [trials, C] when each prompt (all but its last token)
+    is first written into the fast state by test-time memorisation (``mem``: paths,
+    layers, steps, surprise gate), then the candidates are scored from that state: the
+    last prompt token and the candidate in one teach pass, as ``score_task`` reads them
+    after the prompt (one pass of online memorisation gives its scores exactly)."""
+    trials, n_cand, _ = task.candidates.shape
+    scores = torch.empty(trials, n_cand, dtype=torch.float64, device=device)
+    for start in range(0, trials, max(1, batch_size // n_cand)):
+        rows = slice(start, start + max(1, batch_size // n_cand))
+        prompts = task.prompts[rows].to(device)
+        with autocast(device, autocast_dtype):
+            state = memorize(model, prompts[:, :-1], None, mem, following=prompts[:, -1])
+        state = map_tensors(state, lambda t: t.repeat_interleave(n_cand, 0))
+        cont = task.candidates[rows].flatten(0, 1).to(device)
+        mask = task.candidate_mask[rows].flatten(0, 1).to(device)
+        inputs = torch.cat([prompts[:, -1:].repeat_interleave(n_cand, 0), cont[:, :-1]], dim=1)
+        with autocast(device, autocast_dtype):
+            logits, _ = model.forward_teach(inputs, cont.masked_fill(~mask, -100), state)
+        token = logits.double().log_softmax(-1).gather(-1, cont.unsqueeze(-1)).squeeze(-1)
+        scores[rows] = (token * mask).sum(-1).view(-1, n_cand)
+    return scores
+
+
+def score_memorized(
+    model: LanguageModel,
+    task: PasskeyTask,
+    mem: MemorizeConfig,
+    batch_size: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> float:
+    """Accuracy of ``memorized_scores`` (strict: ties miss, as ``score_task``)."""
+    scores = memorized_scores(model, task, mem, batch_size, device, autocast_dtype)
+    hits = scores[:, 0] > scores[:, 1:].amax(dim=1)
+    return float(hits.double().mean())  # the one host read
+
+
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score 95% interval of a proportion (exact-coverage-friendly at small n)."""
     if n == 0:
@@ -178,9 +227,12 @@ def evaluate_niah(
     batch_size: int,
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
+    memorize_cfg: MemorizeConfig | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """``{task: {"len_<L>": {"acc", "acc_ci_low", "acc_ci_high", "chance",
-    "depth_<d>": acc per depth}}}``."""
+    "depth_<d>": acc per depth}}}``; with ``memorize_cfg`` each length also gets
+    ``adaptive_acc`` (the prompt memorised first, ``score_memorized``) and
+    ``adaptive_delta`` = adaptive_acc - acc."""
     if candidates < 2 or trials < 1 or not depths or not lengths:
         raise ConfigError("niah: candidates must be >= 2, trials >= 1, lengths/depths non-empty")
     report: dict[str, dict[str, dict[str, float]]] = {}
@@ -190,7 +242,7 @@ def evaluate_niah(
             raise ConfigError(f"niah.needles={needles} must be <= niah.candidates={candidates}")
         for length in lengths:
             row: dict[str, float] = {}
-            hits = 0
+            hits = adaptive_hits = 0
             for depth in depths:
                 cell = build_task(
                     spec, encode, essay, length, depth, trials, candidates,
@@ -199,11 +251,37 @@ def evaluate_niah(
                 acc = score_task(model, cell, batch_size, device, autocast_dtype).acc
                 row[f"depth_{depth:g}"] = acc
                 hits += round(acc * trials)
+                if memorize_cfg is not None:
+                    adaptive = score_memorized(
+                        model, cell, memorize_cfg, batch_size, device, autocast_dtype
+                    )
+                    adaptive_hits += round(adaptive * trials)
             n = trials * len(depths)
             low, high = wilson(hits, n)
             row.update(acc=hits / n, acc_ci_low=low, acc_ci_high=high, chance=1.0 / candidates)
+            if memorize_cfg is not None:
+                row.update(
+                    adaptive_acc=adaptive_hits / n, adaptive_delta=(adaptive_hits - hits) / n
+                )
             report.setdefault(task, {})[f"len_{length}"] = row
     return report
+
+
+def memorize_config(cfg: NiahConfig, model: LanguageModel) -> MemorizeConfig | None:
+    """``niah.memorize_steps`` > 0: the adaptive (memorise-then-ask) run, writing
+    ``niah.memorize_paths`` (null: every memory) that many passes over each prompt."""
+    if cfg.memorize_steps == 0:
+        return None
+    if model.cfg.variant == "titans_mac":
+        raise ConfigError(
+            "niah.memorize_steps: titans_mac continues a state only at segment boundaries; "
+            "memorise-then-ask is not defined for it here (set niah.memorize_steps=0)"
+        )
+    try:
+        paths = None if cfg.memorize_paths is None else tuple(cfg.memorize_paths)
+        return MemorizeConfig(paths=paths, steps=cfg.memorize_steps)
+    except ValueError as err:
+        raise ConfigError(f"niah: {err}") from None
 
 
 def run_niah(
@@ -223,10 +301,11 @@ def run_niah(
     model, ckpt_cfg, step = load_model(ckpt_dir, device)
     sp = load_tokenizer(tokenizer_model)
     essay = list(sp.encode(" ".join(iter_jsonl_texts(raw_val))))
+    mem = memorize_config(cfg, model)
     report = evaluate_niah(
         model, lambda text: list(sp.encode(text)), essay, cfg.tasks, cfg.lengths, cfg.depths,
         cfg.trials, cfg.candidates, cfg.needles, cfg.seed, cfg.batch_size, device,
-        autocast_dtype(device, train.precision),
+        autocast_dtype(device, train.precision), mem,
     )  # fmt: skip
     records = {"variant": ckpt_cfg.model.variant, "trained_context": ckpt_cfg.data.seq_len}
     return {"step": step, **report}, records

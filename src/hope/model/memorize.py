@@ -277,11 +277,16 @@ def _test_time(model: LanguageModel) -> Iterator[None]:
         model.train(was_training)
 
 
-def next_token_targets(tokens: Tensor, teach_mask: Tensor | None = None) -> Tensor:
-    """targets [B, T]: token t+1 at position t, -100 for the last token and wherever
-    ``teach_mask`` [B, T] is False (that position's loss gives no teach signal)."""
+def next_token_targets(
+    tokens: Tensor, teach_mask: Tensor | None = None, following: Tensor | None = None
+) -> Tensor:
+    """targets [B, T]: token t+1 at position t; at the last position ``following`` [B]
+    (the token after the text, when known) else -100; -100 wherever ``teach_mask``
+    [B, T] is False (that position's loss gives no teach signal)."""
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
+    if following is not None:
+        targets[:, -1] = following
     if teach_mask is not None:
         if teach_mask.shape != tokens.shape:
             raise ValueError(
@@ -297,6 +302,7 @@ def memorize_chunks(
     state: LMState | None = None,
     cfg: MemorizeConfig | None = None,
     teach_mask: Tensor | None = None,
+    following: Tensor | None = None,
 ) -> Iterator[LMState]:
     """``memorize`` one chunk at a time: yields the state after every online chunk (of
     every pass), e.g. to score a query as memorisation proceeds. Arguments as ``memorize``."""
@@ -307,7 +313,7 @@ def memorize_chunks(
     if state is None or cfg.reset == "reset_per_sample":
         with torch.no_grad():  # SMT/Titans init states expand meta parameters: no graph
             state = model.init_state(tokens.shape[0])
-    targets = next_token_targets(tokens, teach_mask)
+    targets = next_token_targets(tokens, teach_mask, following)
     # Checked above, eagerly; the generator below runs on the first next().
     return _chunk_states(model, tokens, targets, state, cfg, selection, chunk)
 
@@ -345,6 +351,7 @@ def memorize(
     state: LMState | None = None,
     cfg: MemorizeConfig | None = None,
     teach_mask: Tensor | None = None,
+    following: Tensor | None = None,
 ) -> LMState:
     """Write tokens [B, T] into the fast state; returns the state after the text.
 
@@ -352,10 +359,14 @@ def memorize(
     a fresh context. teach_mask [B, T] (bool): False at position t drops the loss of
     predicting token t+1 from the teach signal (CMS), e.g. to memorise only answers;
     SMT and Titans writes use self-generated targets and ignore it. Continue with
-    ``model(query, state)`` (read path) or ``model.forward_teach``.
+    ``model(query, state)`` (read path) or ``model.forward_teach``. following [B]: the
+    token that comes after the text, when known (the last position's target; without
+    it the last position teaches nothing): so memorising text[:-1] with following =
+    text[-1] then reading text[-1] is one online read of the text.
     """
     # T >= 1, so there is at least one chunk; keep only the last state.
-    return deque(memorize_chunks(model, tokens, state, cfg, teach_mask), maxlen=1)[0]
+    chunks = memorize_chunks(model, tokens, state, cfg, teach_mask, following)
+    return deque(chunks, maxlen=1)[0]
 
 
 def memorize_sequence(
