@@ -235,11 +235,14 @@ def evaluate_niah(
     ``adaptive_delta`` = adaptive_acc - acc."""
     if candidates < 2 or trials < 1 or not depths or not lengths:
         raise ConfigError("niah: candidates must be >= 2, trials >= 1, lengths/depths non-empty")
-    report: dict[str, dict[str, dict[str, float]]] = {}
-    for task in tasks:
-        spec = task_spec(task, needles)
+    specs = {task: task_spec(task, needles) for task in tasks}
+    for spec in specs.values():  # every prompt fits, before any scoring
         if spec.needles > candidates:
             raise ConfigError(f"niah.needles={needles} must be <= niah.candidates={candidates}")
+        for length in lengths:
+            build_prompt(spec, encode, essay, length, 0.0, random.Random(0), candidates)
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for task, spec in specs.items():
         for length in lengths:
             row: dict[str, float] = {}
             hits = adaptive_hits = 0
