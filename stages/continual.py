@@ -26,7 +26,9 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.continual import run_continual
     from hope.report.plots import plot_continual
 
-    metrics, records = run_continual(cfg.continual, CKPT_DIR, TOKENIZER_MODEL, cfg.train)
+    metrics, records = run_continual(
+        cfg.continual, cfg.memorize, CKPT_DIR, TOKENIZER_MODEL, cfg.train
+    )
     write_metrics(REPORT, metrics, records)
     plot_continual(cfg.continual.segments, metrics, PLOT)
     print(

@@ -27,9 +27,14 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.longctx import run_longctx
     from hope.report.plots import plot_longctx
 
-    metrics, records = run_longctx(cfg.longctx, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train)
+    metrics, records = run_longctx(
+        cfg.longctx, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train, cfg.memorize
+    )
     write_metrics(REPORT, metrics, records)
-    plot_longctx(metrics["by_position"], records["trained_context"], PLOT)
+    plot_longctx(
+        metrics["by_position"], records["trained_context"], PLOT,
+        metrics.get("adaptive_by_position"),
+    )  # fmt: skip
     buckets = ", ".join(f"{s}: {v}" for s, v in metrics["by_position"].items())
     print(f"longctx: loss {metrics['loss']} over {metrics['tokens']} tokens; by position {buckets}")
 

@@ -26,7 +26,9 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.niah import run_niah
     from hope.report.plots import plot_niah
 
-    metrics, records = run_niah(cfg.niah, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train)
+    metrics, records = run_niah(
+        cfg.niah, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train, cfg.memorize
+    )
     write_metrics(REPORT, metrics, records)
     plot_niah({k: v for k, v in metrics.items() if k != "step"}, HEATMAP)
     for task in cfg.niah.tasks:

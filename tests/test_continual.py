@@ -76,5 +76,55 @@ def test_stage_reports_the_matrix_and_refuses_bad_segments(
     capsys.readouterr()
     assert load_stage("continual").main_with([*argv, "--set=continual.segments=[jsonx]"]) == 2
     assert "'jsonx' is no documented stdlib package" in capsys.readouterr().err
-    assert load_stage("continual").main_with([*argv, "--set=continual.paths=[kv]"]) == 2
-    assert "continual: MemorizeConfig.paths: unknown path 'kv'" in capsys.readouterr().err
+    assert load_stage("continual").main_with([*argv, "--set=memorize.paths=[kv]"]) == 2
+    assert "memorize.paths: unknown memory 'kv'" in capsys.readouterr().err
+    assert load_stage("continual").main_with([*argv, "--set=continual.segments=[]"]) == 2
+    assert "continual.segments is empty" in capsys.readouterr().err
+    assert load_stage("continual").main_with([*argv, "--set=continual.checkpoints=[2]"]) == 2
+    assert "no checkpoint of step 2 in models/checkpoints (kept: 3;" in capsys.readouterr().err
+
+
+def test_stage_runs_the_protocol_on_every_named_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """continual.checkpoints: the protocol per checkpoint and each segment's fresh-state
+    loss along training; an earlier checkpoint with other weights gives other losses."""
+    import torch
+
+    from hope.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+
+    monkeypatch.chdir(make_pipeline_layout(tmp_path))
+    payload = load_checkpoint(checkpoint_path(Path("models/checkpoints"), 3))
+    torch.manual_seed(0)
+    payload["model"] = {
+        k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in payload["model"].items()
+    }
+    save_checkpoint(Path("models/checkpoints"), 1, {**payload, "step": 1}, keep=5)
+    argv = stage_argv(
+        "continual.segments=[json,csv]", "continual.write_tokens=48",
+        "continual.probe_tokens=24", "continual.checkpoints=[1]", "memorize.layers=[0]",
+    )  # fmt: skip
+    assert load_stage("continual").main_with(argv) == 0
+    metrics = json.loads(Path("reports/continual.json").read_text())
+    training = metrics["training"]
+    assert list(training["base"]) == ["step_1", "step_3"]
+    assert training["base"]["step_3"] == metrics["base"]
+    assert training["base"]["step_1"]["json"] != metrics["base"]["json"]
+    for name in ("json", "csv"):
+        losses = [training["base"][k][name] for k in ("step_1", "step_3")]
+        assert training["forgetting"][name] == pytest.approx(losses[-1] - min(losses))
+    meta = json.loads(Path("reports/continual_meta.json").read_text())
+    assert meta["memorize"]["layers"] == [0] and meta["memorize"]["reset"] == "carry_across_samples"
+
+
+def test_reset_per_sample_writes_each_segment_alone() -> None:
+    """The control: reset_per_sample memorises every segment into a fresh state, so row
+    k is what segment k alone does (== a carried run that writes k first)."""
+    model = tiny_lm("hope", "model.cms_lr=0.01")
+    segs = _segments(3)
+    _, alone = forgetting_matrix(model, segs, MemorizeConfig(reset="reset_per_sample"))
+    _, first = forgetting_matrix(model, [segs[2], segs[0], segs[1]], MemorizeConfig())
+    assert first[0] == pytest.approx([alone[2][2], alone[2][0], alone[2][1]], abs=1e-9)
+    _, carried = forgetting_matrix(model, segs, MemorizeConfig())
+    assert abs(carried[2][0] - alone[2][0]) > 1e-5  # carrying is not the control

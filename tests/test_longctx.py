@@ -84,3 +84,31 @@ def test_stage_reports_loss_by_position_beyond_the_training_context(
     assert set(metrics["by_position"]) == {"0", "32", "64"}
     assert records["window"] == records["trained_context"] == 32  # data.seq_len of the run
     assert Path("reports/longctx.png").stat().st_size > 1000
+    adaptive = [*argv, "--set=longctx.memorize=true", "--set=memorize.steps=2"]
+    assert load_stage("longctx").main_with(adaptive) == 0
+    again = json.loads(Path("reports/longctx.json").read_text())
+    assert again["loss"] == metrics["loss"] and non_numbers(again) == []
+    assert again["delta_loss"] == pytest.approx(again["adaptive_loss"] - again["loss"])
+    assert set(again["adaptive_by_position"]) == {"0", "32", "64"}
+    assert again["adaptive_by_position"]["0"] == metrics["by_position"]["0"]  # nothing yet
+    assert again["adaptive_by_position"]["64"] != metrics["by_position"]["64"]
+    carry = [*adaptive, "--set=memorize.reset=carry_across_samples"]
+    assert load_stage("longctx").main_with(carry) == 2
+
+
+@pytest.mark.parametrize("variant", ["hope", "titans_mac", "hope_attention"])
+def test_one_memorising_pass_over_each_read_window_is_the_plain_stream(variant: str) -> None:
+    """Memorising each window once, every memory, after reading it == reading on (float64,
+    every position); two passes, or writing only some memories, change later windows."""
+    from hope.eval.longctx import memorised_position_losses
+    from hope.model.memorize import MemorizeConfig
+
+    online = ["model.cms_mode=exact_online", "model.cms_lr=0.01"] if "hope" in variant else []
+    model = tiny_lm(variant, *online).double().eval()
+    tokens = rand_tokens(2, 48, seed=5)
+    plain = position_losses(model, tokens, window=16, stream=True)
+    once = memorised_position_losses(model, tokens, 16, MemorizeConfig())
+    torch.testing.assert_close(once, plain, rtol=1e-9, atol=1e-9)
+    twice = memorised_position_losses(model, tokens, 16, MemorizeConfig(steps=2))
+    torch.testing.assert_close(twice[:, :16], plain[:, :16], rtol=1e-9, atol=1e-9)
+    assert (twice[:, 16:] - plain[:, 16:]).abs().max() > 1e-6

@@ -5,6 +5,7 @@ better than chance."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -126,14 +127,21 @@ def test_bad_settings_are_one_clear_error() -> None:
 
 def test_memorise_then_ask_is_refused_for_titans_mac() -> None:
     from conftest import tiny_lm
-    from hope.config import NiahConfig
-    from hope.eval.niah import memorize_config
+    from hope.config import MemorizeParams, NiahConfig
+    from hope.eval.niah import adaptive_config
 
-    assert memorize_config(NiahConfig(), tiny_lm("titans_mac")) is None  # off by default
-    with pytest.raises(ConfigError, match="niah.memorize_steps: titans_mac"):
-        memorize_config(NiahConfig(memorize_steps=1), tiny_lm("titans_mac"))
-    with pytest.raises(ConfigError, match="niah: MemorizeConfig.paths: unknown path 'kv'"):
-        memorize_config(NiahConfig(memorize_steps=1, memorize_paths=["kv"]), tiny_lm("hope"))
+    on, params = NiahConfig(memorize=True), MemorizeParams(steps=2, paths=["cms"])
+    assert adaptive_config(NiahConfig(), params, tiny_lm("titans_mac")) is None  # off
+    with pytest.raises(ConfigError, match="niah.memorize: titans_mac"):
+        adaptive_config(on, params, tiny_lm("titans_mac"))
+    mem = adaptive_config(on, params, tiny_lm("hope"))
+    assert mem is not None and (mem.steps, mem.paths, mem.reset) == (
+        2, ("cms",), "reset_per_sample",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="memorize.layers: 5 is not a block"):
+        adaptive_config(on, MemorizeParams(layers=[5]), tiny_lm("hope"))
+    with pytest.raises(ConfigError, match="memorize.use_correct_answer: only zero-shot"):
+        adaptive_config(on, MemorizeParams(use_correct_answer=True), tiny_lm("hope"))
 
 
 def test_wilson_interval_brackets_the_proportion() -> None:
@@ -166,10 +174,12 @@ def test_stage_writes_numbers_heatmap_and_refuses_bad_input(
     assert Path("reports/niah_heatmap.png").stat().st_size > 1000
     assert json.loads(Path("reports/niah_meta.json").read_text())["variant"] == "hope"
     adaptive = stage_argv(*sets, "niah.lengths=[256]", "niah.tasks=[s_niah_1]",
-                          "niah.memorize_steps=2")  # fmt: skip
+                          "niah.memorize=true", "memorize.steps=2")  # fmt: skip
     assert load_stage("niah").main_with(adaptive) == 0
     row = json.loads(Path("reports/niah.json").read_text())["s_niah_1"]["len_256"]
-    assert row["adaptive_delta"] == pytest.approx(row["adaptive_acc"] - row["acc"])
+    assert row["delta_acc"] == pytest.approx(row["adaptive_acc"] - row["acc"])
+    meta = json.loads(Path("reports/niah_meta.json").read_text())
+    assert meta["memorize"]["steps"] == 2 and meta["memorize"]["reset"] == "reset_per_sample"
     capsys.readouterr()
     assert load_stage("niah").main_with(stage_argv(*sets, "niah.lengths=[60]")) == 2
     assert "niah.lengths: 60 tokens is too short" in capsys.readouterr().err
@@ -208,8 +218,13 @@ def test_one_memorisation_pass_scores_as_reading_the_prompt(variant: str) -> Non
                 logits, _ = model.forward_teach(seq[:, :-1], seq[:, 1:])
                 logp = logits[0, -len(cand) :].log_softmax(-1)
                 plain[i, c] = logp.gather(-1, cand[:, None]).sum()
-    once = memorized_scores(model, task, MemorizeConfig(steps=1), 8, CPU)
+    fresh = MemorizeConfig(steps=1, reset="reset_per_sample")
+    once = memorized_scores(model, task, fresh, 8, CPU)
     torch.testing.assert_close(once, plain, rtol=1e-9, atol=1e-9)
+    # Carried: the first prompt is read as before; the second on top of the first.
+    carried = memorized_scores(model, task, MemorizeConfig(steps=1), 8, CPU)
+    torch.testing.assert_close(carried[0], once[0], rtol=1e-9, atol=1e-9)
+    assert (carried[1] - once[1]).abs().max() > 1e-6
     if variant != "transformer":  # no memory to write twice
-        twice = memorized_scores(model, task, MemorizeConfig(steps=2), 8, CPU)
+        twice = memorized_scores(model, task, dataclasses.replace(fresh, steps=2), 8, CPU)
         assert (twice - once).abs().max() > 1e-6

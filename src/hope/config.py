@@ -26,6 +26,7 @@ from hope.config_sections import (
     DataConfig,
     EvalConfig,
     LongctxConfig,
+    MemorizeParams,
     NiahConfig,
     OptimConfig,
     RecallConfig,
@@ -43,6 +44,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LongctxConfig",
+    "MemorizeParams",
     "NiahConfig",
     "OptimConfig",
     "PRESET_DIR",
@@ -313,6 +315,7 @@ def _validate(cfg: Config) -> None:
         *cfg.niah.checks(),
         *cfg.longctx.checks(),
         *cfg.continual.checks(),
+        *cfg.memorize.checks(),
     ]
     for ok, message in checks:
         if not ok:

@@ -136,6 +136,7 @@ class ZeroshotConfig:
     batch_size: int = 8
     num_fewshot: int = 0
     bootstrap_iters: int = 1000  # lm-eval's stderr of non-mean metrics (perplexities)
+    memorize: bool = False  # also the adaptive run (the ``memorize`` section): adaptive_*
     seed: int = 1234
 
     def checks(self) -> list[tuple[bool, str]]:
@@ -170,10 +171,7 @@ class NiahConfig:
     candidates: int = 4  # values ranked per trial (chance 1/candidates)
     needles: int = 3  # mk_niah's needles (<= candidates)
     batch_size: int = 32
-    # Test-time memorisation before the question (0: off): passes over each prompt, and
-    # the memories written (hope.model.memorize paths; null: all). Adds adaptive_acc.
-    memorize_steps: int = 0
-    memorize_paths: list[str] | None = None
+    memorize: bool = False  # also the adaptive run (the ``memorize`` section): adaptive_acc
     seed: int = 1234
 
     def checks(self) -> list[tuple[bool, str]]:
@@ -192,7 +190,6 @@ class NiahConfig:
                 f"niah.needles={self.needles} must be in [1, niah.candidates]",
             ),
             (self.batch_size >= 1, "niah.batch_size must be >= 1"),
-            (self.memorize_steps >= 0, "niah.memorize_steps must be >= 0 (0: off)"),
         ]
 
 
@@ -211,6 +208,7 @@ class LongctxConfig:
     bucket: int = 128  # position bucket width
     window: int | None = None  # tokens per forward, state carried (null: data.seq_len)
     batch_size: int = 4
+    memorize: bool = False  # also the adaptive run (the ``memorize`` section): adaptive_*
 
     def checks(self) -> list[tuple[bool, str]]:
         """(holds, message) per range rule; hope.config raises the first failing."""
@@ -232,9 +230,9 @@ class ContinualConfig:
     segments: list[str] = field(default_factory=lambda: ["json", "email", "unittest", "asyncio"])
     write_tokens: int = 512  # per segment, memorised
     probe_tokens: int = 128  # per segment, held out and scored
-    paths: list[str] | None = None  # memories written (MemorizeConfig.paths; null: all)
-    layers: list[int] | None = None  # blocks written (null: all)
-    steps: int = 1  # passes over each write part
+    # Training checkpoints (their steps) the same protocol also runs on, oldest first:
+    # forgetting across training (null: only the latest; needs train.keep_checkpoints).
+    checkpoints: list[int] | None = None
 
     def checks(self) -> list[tuple[bool, str]]:
         """(holds, message) per range rule; hope.config raises the first failing."""
@@ -243,7 +241,56 @@ class ContinualConfig:
             (len(set(self.segments)) == len(self.segments), "continual.segments repeats a name"),
             (self.write_tokens >= 1, "continual.write_tokens must be >= 1"),
             (self.probe_tokens >= 2, "continual.probe_tokens must be >= 2"),
-            (self.steps >= 1, "continual.steps must be >= 1"),
+            (
+                self.checkpoints is None or (bool(self.checkpoints) and min(self.checkpoints) >= 0),
+                "continual.checkpoints: a list of checkpoint steps >= 0 (or null: the latest)",
+            ),
+        ]
+
+
+MEMORY_PATHS = ("smt", "titans", "cms")  # and "cms:<level index>"
+
+
+@dataclass
+class MemorizeParams:
+    """The ``memorize`` section: test-time memorisation in the evaluators (zero-shot,
+    NIAH and long-context when their ``memorize`` switch is on; continual always), via
+    hope.model.memorize. Each evaluator reports its plain (baseline) numbers and the
+    adaptive ones beside them, with their delta; README "Test-time memorisation"."""
+
+    paths: list[str] | None = None  # memories written: smt, titans, cms, cms:<i> (null: all)
+    layers: list[int] | None = None  # blocks written (null: all)
+    steps: int = 1  # passes over each text (> 1: re-read from the starting context)
+    surprise_threshold: float | None = None  # CMS gate τ while memorising (null: the model's)
+    # reset_per_sample: every sample from a fresh state; carry_across_samples: one stream.
+    # null: each evaluator's own (continual carries, the others reset).
+    reset: Literal["reset_per_sample", "carry_across_samples"] | None = None
+    # zeroshot, carry: after a document is scored, write its context and its correct
+    # answer into the carried state (else the context only).
+    use_correct_answer: bool = False
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """(holds, message) per range rule; hope.config raises the first failing."""
+        bad_path = next(
+            (
+                p
+                for p in self.paths or []
+                if p not in MEMORY_PATHS and not (p.startswith("cms:") and p[4:].isdigit())
+            ),
+            None,
+        )
+        return [
+            (
+                bad_path is None,
+                f"memorize.paths: unknown memory {bad_path!r} "
+                "(smt, titans, cms or cms:<level index>)",
+            ),
+            (self.paths is None or bool(self.paths), "memorize.paths is empty (null: all)"),
+            (
+                self.layers is None or (bool(self.layers) and min(self.layers) >= 0),
+                "memorize.layers: block indices >= 0 (null: all)",
+            ),
+            (self.steps >= 1, "memorize.steps must be >= 1"),
         ]
 
 
@@ -318,6 +365,7 @@ class Config:
     niah: NiahConfig = field(default_factory=NiahConfig)
     longctx: LongctxConfig = field(default_factory=LongctxConfig)
     continual: ContinualConfig = field(default_factory=ContinualConfig)
+    memorize: MemorizeParams = field(default_factory=MemorizeParams)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     recall: RecallConfig = field(default_factory=RecallConfig)

@@ -3,8 +3,8 @@
 Segments (``continual.segments``, offline: standard-library packages, their modules'
 docstrings in sorted order, e.g. ``json``, ``email``) are each split into a *write*
 part (``write_tokens``) and a held-out *probe* part (``probe_tokens``). Starting from a
-fresh state, segment k's write part is memorised (hope.model.memorize, with
-``continual``'s paths/layers/steps), then every segment's probe is scored from the
+fresh state, segment k's write part is memorised (hope.model.memorize, as the
+``memorize`` section says: paths, layers, steps, τ), then every segment's probe is scored from the
 memories alone (``fresh_context``: empty caches, position 0, so attention cannot read
 the written text back; the probe's read never changes the carried state). Loss matrix
 ``after[k][j]``; with the fresh-state losses ``base[j]``:
@@ -14,10 +14,19 @@ the written text back; the probe's read never changes the carried state). Loss m
   was lost by the end);
 - backward transfer (BWT): mean over j < K-1 of after[K-1][j] - after[j][j] (> 0: later
   writes hurt earlier segments; losses, so the sign is the opposite of accuracy BWT).
+
+``memorize.reset``: carry (the default here) writes the segments on top of each other;
+reset_per_sample writes each into a fresh state, the no-interference control (its
+forgetting is zero by construction; its off-diagonal shows transfer alone).
+
+Across training (``continual.checkpoints``: steps of kept checkpoints, oldest first):
+the same protocol on each, and ``training``: every segment's fresh-state loss per
+checkpoint with its forgetting along training (last - best over the checkpoints).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,9 +35,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hope.config import ContinualConfig, TrainConfig
+from hope.config import ContinualConfig, MemorizeParams, TrainConfig
 from hope.data.sources import module_docstrings, stdlib_sources
 from hope.errors import ConfigError, StageError
+from hope.eval.memorizing import memorize_config
 from hope.model.lm import LanguageModel, LMState
 from hope.model.memorize import MemorizeConfig, fresh_context, memorize
 
@@ -102,36 +112,55 @@ def summarise(names: Sequence[str], base: list[float], after: list[list[float]])
     }
 
 
+def across_training(names: Sequence[str], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per checkpoint (``runs``, oldest first: the ``summarise`` of each): the fresh-state
+    loss of every segment, and its forgetting along training (last - best)."""
+    losses = {n: [run["base"][n] for run in runs.values()] for n in names}
+    return {
+        "base": {key: run["base"] for key, run in runs.items()},
+        "forgetting": {n: values[-1] - min(values) for n, values in losses.items()},
+        "summary": {
+            key: {k: run[k] for k in ("bwt", "mean_forgetting")} for key, run in runs.items()
+        },
+    }
+
+
 def run_continual(
     cfg: ContinualConfig,
+    params: MemorizeParams,
     ckpt_dir: Path,
     tokenizer_model: Path,
     train: TrainConfig,
     texts: Callable[[str], str] = package_text,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``continual`` stage: (metrics, records) for reports/continual.json."""
+    """The ``continual`` stage: (metrics, records) for reports/continual.json; every
+    named checkpoint is found before any work."""
     from hope.data.tokenizer import load_tokenizer
     from hope.train.checkpoint import load_model
     from hope.train.device import configure_numerics, resolve_device
 
-    try:
-        mem = MemorizeConfig(
-            paths=None if cfg.paths is None else tuple(cfg.paths),
-            layers=None if cfg.layers is None else tuple(cfg.layers),
-            steps=cfg.steps,
-        )
-    except ValueError as err:
-        raise ConfigError(f"continual: {err}") from None
     sources = {name: texts(name) for name in cfg.segments}  # bad names before the model
     device = resolve_device(train.device)
     configure_numerics(train, device)
+    earlier = [load_model(ckpt_dir, device, s) for s in cfg.checkpoints or []]
     model, ckpt_cfg, step = load_model(ckpt_dir, device)
+    mem = memorize_config(params, "continual", "carry_across_samples", model)
     sp = load_tokenizer(tokenizer_model)
     segments = [
         split_segment(n, list(sp.encode(t)), cfg.write_tokens, cfg.probe_tokens)
         for n, t in sources.items()
     ]
-    base, after = forgetting_matrix(model, segments, mem)
-    metrics = {"step": step, **summarise(cfg.segments, base, after)}
-    records = {"variant": ckpt_cfg.model.variant, "segments": list(cfg.segments)}
+    metrics = {"step": step, **summarise(cfg.segments, *forgetting_matrix(model, segments, mem))}
+    if earlier:
+        runs = {
+            f"step_{s}": summarise(cfg.segments, *forgetting_matrix(m, segments, mem))
+            for s, (m, _, _) in zip(cfg.checkpoints or [], earlier, strict=True)
+        }
+        runs.setdefault(f"step_{step}", {k: metrics[k] for k in ("base", "bwt", "mean_forgetting")})
+        metrics["training"] = across_training(cfg.segments, runs)
+    records = {
+        "variant": ckpt_cfg.model.variant,
+        "segments": list(cfg.segments),
+        "memorize": dataclasses.asdict(mem),
+    }
     return metrics, records

@@ -12,10 +12,19 @@ Texts: ``longctx.source: val`` (offline default) takes the run's longest validat
 documents, concatenated with EOS between them as training sees documents;
 ``hf`` reads ``longctx.hf_name`` (a HuggingFace dataset name, PG-19's test split by
 default, or a local folder of data files) through ``datasets``, longest first too.
+
+Adaptive (``longctx.memorize``): each window, once read and scored, is written into
+the state by test-time memorisation as the ``memorize`` section says (paths, layers,
+``steps`` passes, τ) before the next window is read: extra test-time learning on the
+past only, so still causal. One pass writing every memory is the plain stream
+exactly (tested); the report puts ``adaptive_loss``/``adaptive_by_position`` beside
+the plain numbers. A sample is one sequence (fresh state each; carry is refused:
+the sequences are read side by side).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -23,9 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from hope.config import LongctxConfig, TrainConfig
+from hope.config import LongctxConfig, MemorizeParams, TrainConfig
 from hope.errors import ConfigError, StageError
+from hope.eval.memorizing import memorize_config, side_by_side
+from hope.model.lm import LanguageModel, LMState
+from hope.model.memorize import IGNORE_INDEX, MemorizeConfig, memorize
 
 log = logging.getLogger("hope.eval")
 
@@ -92,8 +105,77 @@ def by_position(losses: torch.Tensor, bucket: int) -> dict[str, float]:
     return {str(s): m for s, m in zip(starts, means, strict=True)}
 
 
+@torch.no_grad()
+def memorised_position_losses(
+    model: LanguageModel, tokens: torch.Tensor, window: int, mem: MemorizeConfig
+) -> torch.Tensor:
+    """As ``position_losses(stream=True)`` [B, T - 1], but the state carried to the
+    next window is the one ``memorize`` leaves after writing the window just read
+    (``mem``, in online chunks of ``window``; its last target is the next window's
+    first token, as in the plain read)."""
+    mem = dataclasses.replace(mem, online_chunk_size=window, reset="carry_across_samples")
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, :-1] = tokens[:, 1:]
+    losses = []
+    state: LMState | None = None
+    for start in range(0, tokens.shape[1], window):
+        span = slice(start, start + window)
+        logits, _ = model.forward_teach(tokens[:, span], targets[:, span], state)
+        losses.append(
+            F.cross_entropy(
+                logits.double().transpose(1, 2),
+                targets[:, span],
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            )  # fmt: skip
+        )
+        after = start + window
+        following = tokens[:, after] if after < tokens.shape[1] else None
+        state = memorize(model, tokens[:, span], state, mem, following=following)
+    return torch.cat(losses, dim=1)[:, :-1]
+
+
+def adaptive_config(
+    cfg: LongctxConfig, params: MemorizeParams, model: LanguageModel
+) -> MemorizeConfig | None:
+    if not cfg.memorize:
+        return None
+    if params.reset == "carry_across_samples":
+        raise ConfigError(
+            "memorize.reset=carry_across_samples: longctx reads its sequences side by side, "
+            "each from a fresh state (set memorize.reset to null or reset_per_sample)"
+        )
+    return memorize_config(params, "longctx", "reset_per_sample", model)
+
+
+def report(losses: torch.Tensor, bucket: int) -> dict[str, Any]:
+    """loss, ppl, by_position of [B, T - 1] losses (non-finite: null)."""
+    loss = _finite(float(losses.mean()))
+    return {
+        "loss": loss,
+        "ppl": None if loss is None else math.exp(min(loss, 50.0)),
+        "by_position": {k: _finite(v) for k, v in by_position(losses, bucket).items()},
+    }
+
+
+def first_nonfinite(losses: torch.Tensor) -> int | None:
+    bad = (~torch.isfinite(losses)).any(0).nonzero()
+    diverged = int(bad[0]) if bad.numel() else None
+    if diverged is not None:
+        log.warning(
+            "longctx: the loss is not finite from position %d on (the state read through "
+            "the teach pass diverged); those buckets are reported as null", diverged,
+        )  # fmt: skip
+    return diverged
+
+
 def run_longctx(
-    cfg: LongctxConfig, ckpt_dir: Path, tokenizer_model: Path, raw_val: Path, train: TrainConfig
+    cfg: LongctxConfig,
+    ckpt_dir: Path,
+    tokenizer_model: Path,
+    raw_val: Path,
+    train: TrainConfig,
+    params: MemorizeParams | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``longctx`` stage: (metrics, records) for reports/longctx.json, _meta.json."""
     from hope.data.tokenizer import load_tokenizer
@@ -111,35 +193,26 @@ def run_longctx(
             f"longctx.window={window} must be a multiple of model.titans_chunk="
             f"{model.cfg.titans_chunk} (titans_mac carries its state at segment boundaries)"
         )
+    mem = adaptive_config(cfg, params or MemorizeParams(), model)
     sp = load_tokenizer(tokenizer_model)
     tokens = long_sequences(
         load_texts(cfg, raw_val), lambda t: list(sp.encode(t)), sp.eos_id(), cfg.length,
         cfg.sequences,
     )  # fmt: skip
-    parts = []
-    with autocast(device, autocast_dtype(device, train.precision)):
+    plain, adaptive = [], []
+    with torch.no_grad(), autocast(device, autocast_dtype(device, train.precision)):
         for start in range(0, tokens.shape[0], cfg.batch_size):
             rows = tokens[start : start + cfg.batch_size].to(device)
-            parts.append(position_losses(model, rows, window, stream=True))
-    losses = torch.cat(parts)
-    bad = (~torch.isfinite(losses)).any(0).nonzero()
-    diverged = int(bad[0]) if bad.numel() else None
-    if diverged is not None:
-        log.warning(
-            "longctx: the loss is not finite from position %d on (the state read through "
-            "the teach pass diverged); those buckets are reported as null", diverged,
-        )  # fmt: skip
-    buckets = {k: _finite(v) for k, v in by_position(losses, cfg.bucket).items()}
-    loss = _finite(float(losses.mean()))
-    metrics = {
-        "step": step,
-        "loss": loss,
-        "ppl": None if loss is None else math.exp(min(loss, 50.0)),
-        "tokens": losses.numel(),
-        "by_position": buckets,
-    }
+            plain.append(position_losses(model, rows, window, stream=True))
+            if mem is not None:
+                adaptive.append(memorised_position_losses(model, rows, window, mem))
+    losses = torch.cat(plain)
+    metrics = {"step": step, "tokens": losses.numel(), **report(losses, cfg.bucket)}
+    if mem is not None:
+        metrics = side_by_side(metrics, report(torch.cat(adaptive), cfg.bucket))
     records = {
-        "first_nonfinite_position": diverged,
+        "first_nonfinite_position": first_nonfinite(losses),
+        "memorize": None if mem is None else dataclasses.asdict(mem),
         # teach_pass CMS: each window's teach signal from its start weights (the window is
         # the approximation's chunk); exact_online: independent of the window.
         "cms_mode": ckpt_cfg.model.cms_mode,

@@ -25,6 +25,7 @@ interval.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import uuid
@@ -35,8 +36,9 @@ from typing import Any
 
 import torch
 
-from hope.config import NiahConfig, TrainConfig
+from hope.config import MemorizeParams, NiahConfig, TrainConfig
 from hope.errors import ConfigError
+from hope.eval.memorizing import memorize_config
 from hope.eval.passkey import FILLER, Encode, PasskeyTask, score_task
 from hope.memory.fast_state import map_tensors
 from hope.model.lm import LanguageModel
@@ -170,14 +172,20 @@ def memorized_scores(
     is first written into the fast state by test-time memorisation (``mem``: paths,
     layers, steps, surprise gate), then the candidates are scored from that state: the
     last prompt token and the candidate in one teach pass, as ``score_task`` reads them
-    after the prompt (one pass of online memorisation gives its scores exactly)."""
+    after the prompt (one pass of online memorisation gives its scores exactly).
+    ``mem.reset`` carry: the trials are one stream, each prompt memorised on top of the
+    previous ones (batches of one trial)."""
     trials, n_cand, _ = task.candidates.shape
     scores = torch.empty(trials, n_cand, dtype=torch.float64, device=device)
-    for start in range(0, trials, max(1, batch_size // n_cand)):
-        rows = slice(start, start + max(1, batch_size // n_cand))
+    carry = mem.reset == "carry_across_samples"
+    per_batch = 1 if carry else max(1, batch_size // n_cand)
+    carried = None
+    for start in range(0, trials, per_batch):
+        rows = slice(start, start + per_batch)
         prompts = task.prompts[rows].to(device)
         with autocast(device, autocast_dtype):
-            state = memorize(model, prompts[:, :-1], None, mem, following=prompts[:, -1])
+            state = memorize(model, prompts[:, :-1], carried, mem, following=prompts[:, -1])
+        carried = state if carry else None
         state = map_tensors(state, lambda t: t.repeat_interleave(n_cand, 0))
         cont = task.candidates[rows].flatten(0, 1).to(device)
         mask = task.candidate_mask[rows].flatten(0, 1).to(device)
@@ -232,7 +240,7 @@ def evaluate_niah(
     """``{task: {"len_<L>": {"acc", "acc_ci_low", "acc_ci_high", "chance",
     "depth_<d>": acc per depth}}}``; with ``memorize_cfg`` each length also gets
     ``adaptive_acc`` (the prompt memorised first, ``score_memorized``) and
-    ``adaptive_delta`` = adaptive_acc - acc."""
+    ``delta_acc`` = adaptive_acc - acc."""
     if candidates < 2 or trials < 1 or not depths or not lengths:
         raise ConfigError("niah: candidates must be >= 2, trials >= 1, lengths/depths non-empty")
     specs = {task: task_spec(task, needles) for task in tasks}
@@ -263,32 +271,33 @@ def evaluate_niah(
             low, high = wilson(hits, n)
             row.update(acc=hits / n, acc_ci_low=low, acc_ci_high=high, chance=1.0 / candidates)
             if memorize_cfg is not None:
-                row.update(
-                    adaptive_acc=adaptive_hits / n, adaptive_delta=(adaptive_hits - hits) / n
-                )
+                row.update(adaptive_acc=adaptive_hits / n, delta_acc=(adaptive_hits - hits) / n)
             report.setdefault(task, {})[f"len_{length}"] = row
     return report
 
 
-def memorize_config(cfg: NiahConfig, model: LanguageModel) -> MemorizeConfig | None:
-    """``niah.memorize_steps`` > 0: the adaptive (memorise-then-ask) run, writing
-    ``niah.memorize_paths`` (null: every memory) that many passes over each prompt."""
-    if cfg.memorize_steps == 0:
+def adaptive_config(
+    cfg: NiahConfig, params: MemorizeParams, model: LanguageModel
+) -> MemorizeConfig | None:
+    """``niah.memorize``: the adaptive (memorise-then-ask) run as the ``memorize``
+    section says (paths, layers, steps, τ; reset: per prompt unless carried)."""
+    if not cfg.memorize:
         return None
     if model.cfg.variant == "titans_mac":
         raise ConfigError(
-            "niah.memorize_steps: titans_mac continues a state only at segment boundaries; "
-            "memorise-then-ask is not defined for it here (set niah.memorize_steps=0)"
+            "niah.memorize: titans_mac continues a state only at segment boundaries; "
+            "memorise-then-ask is not defined for it here (set niah.memorize=false)"
         )
-    try:
-        paths = None if cfg.memorize_paths is None else tuple(cfg.memorize_paths)
-        return MemorizeConfig(paths=paths, steps=cfg.memorize_steps)
-    except ValueError as err:
-        raise ConfigError(f"niah: {err}") from None
+    return memorize_config(params, "niah", "reset_per_sample", model)
 
 
 def run_niah(
-    cfg: NiahConfig, ckpt_dir: Path, tokenizer_model: Path, raw_val: Path, train: TrainConfig
+    cfg: NiahConfig,
+    ckpt_dir: Path,
+    tokenizer_model: Path,
+    raw_val: Path,
+    train: TrainConfig,
+    params: MemorizeParams | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``niah`` stage: the latest checkpoint, essay haystacks from the validation
     texts; (metrics, records) for reports/niah.json and niah_meta.json."""
@@ -304,11 +313,15 @@ def run_niah(
     model, ckpt_cfg, step = load_model(ckpt_dir, device)
     sp = load_tokenizer(tokenizer_model)
     essay = list(sp.encode(" ".join(iter_jsonl_texts(raw_val))))
-    mem = memorize_config(cfg, model)
+    mem = adaptive_config(cfg, params or MemorizeParams(), model)
     report = evaluate_niah(
         model, lambda text: list(sp.encode(text)), essay, cfg.tasks, cfg.lengths, cfg.depths,
         cfg.trials, cfg.candidates, cfg.needles, cfg.seed, cfg.batch_size, device,
         autocast_dtype(device, train.precision), mem,
     )  # fmt: skip
-    records = {"variant": ckpt_cfg.model.variant, "trained_context": ckpt_cfg.data.seq_len}
+    records = {
+        "variant": ckpt_cfg.model.variant,
+        "trained_context": ckpt_cfg.data.seq_len,
+        "memorize": None if mem is None else dataclasses.asdict(mem),
+    }
     return {"step": step, **report}, records

@@ -169,11 +169,20 @@ def plot_niah(report: Mapping[str, Mapping[str, Mapping[str, float]]], path: Pat
     _save(fig, path)
 
 
-def plot_longctx(buckets: Mapping[str, float | None], trained_context: int, path: Path) -> None:
-    """Mean next-token loss by position (reports/longctx.json), the training context marked."""
-    points = sorted((int(s), v) for s, v in buckets.items() if v is not None)  # null: diverged
+def plot_longctx(
+    buckets: Mapping[str, float | None],
+    trained_context: int,
+    path: Path,
+    adaptive: Mapping[str, float | None] | None = None,
+) -> None:
+    """Mean next-token loss by position (reports/longctx.json), the training context
+    marked; ``adaptive``: the memorising read beside the plain one."""
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=1.2)
+    curves = {"plain": buckets} if adaptive is None else {"plain": buckets, "memorised": adaptive}
+    for label, curve in curves.items():
+        points = sorted((int(s), v) for s, v in curve.items() if v is not None)  # null: diverged
+        xs, ys = [s for s, _ in points], [v for _, v in points]
+        ax.plot(xs, ys, marker="o", linewidth=1.2, label=label)
     ax.axvline(trained_context, color="grey", linestyle="--", label="training context")
     ax.set_xlabel("position (bucket start, tokens)")
     ax.set_ylabel("next-token loss (nats)")

@@ -175,13 +175,26 @@ def latest_intact(
 
 
 def load_model(
-    ckpt_dir: Path, map_location: str | torch.device = "cpu"
+    ckpt_dir: Path, map_location: str | torch.device = "cpu", step: int | None = None
 ) -> tuple[LanguageModel, Config, int]:
-    """Rebuild the model of the newest intact checkpoint from its config and weights."""
-    found = latest_intact(Path(ckpt_dir), map_location)
-    if found is None:
-        raise StageError(f"no checkpoint (step_*.pt) in {ckpt_dir}; run `python stages/train.py`")
-    _, payload = found
+    """Rebuild the model of the newest intact checkpoint (or the one of ``step``) from
+    its config and weights."""
+    if step is not None:
+        path = checkpoint_path(Path(ckpt_dir), step)
+        if not path.is_file():
+            kept = ", ".join(str(int(p.stem[5:])) for p in list_checkpoints(Path(ckpt_dir)))
+            raise StageError(
+                f"no checkpoint of step {step} in {ckpt_dir} (kept: {kept or 'none'}; "
+                "train.checkpoint_every and train.keep_checkpoints decide which are kept)"
+            )
+        payload = load_checkpoint(path, map_location)
+    else:
+        found = latest_intact(Path(ckpt_dir), map_location)
+        if found is None:
+            raise StageError(
+                f"no checkpoint (step_*.pt) in {ckpt_dir}; run `python stages/train.py`"
+            )
+        _, payload = found
     cfg = config_from_dict(payload["config"])
     model = build_model(cfg.model).to(map_location)
     model.load_state_dict(payload["model"])
