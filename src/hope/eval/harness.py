@@ -18,6 +18,12 @@ longer than ``max_length`` (default: the training context, ``data.seq_len``) kee
 last ``max_length`` tokens; ``loglikelihood_rolling`` cuts a document into disjoint
 windows of ``max_length`` (lm-eval's own window helper), each a fresh context.
 ``generate_until`` decodes greedily, carrying the state token by token (hope.infer).
+
+Adaptive scoring (test-time memorisation, hope.eval.harness_memorize): give
+``memorize_steps`` (>= 1; with ``memorize_paths`` as ``cms+smt``, ``memorize_layers``
+as ``0+1``, ``memorize_reset``, ``memorize_surprise_threshold``) in ``model_args``, or
+a ``MemorizeConfig`` from Python. It applies to ``loglikelihood`` requests (cloze and
+multiple-choice tasks); rolling perplexity and generation are scored as without it.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from hope.errors import StageError
+from hope.eval.harness_memorize import IsAnswer, score_documents
 from hope.infer import Decoder, load
-from hope.model.memorize import IGNORE_INDEX
+from hope.model.memorize import IGNORE_INDEX, MemorizeConfig
 from hope.train.device import autocast_dtype
 from hope.train.step import autocast
 
@@ -55,8 +62,20 @@ class HopeHarnessLM(TemplateLM):
         max_gen_toks: int | str = 256,
         max_batch_size: int | str | None = None,  # lm-eval passes it; batches are fixed
         precision: str = "fp32",  # as train.precision: fp32, bf16 or auto
+        memorize: MemorizeConfig | None = None,
+        use_correct_answer: bool = False,
+        answer_of: IsAnswer | None = None,
+        **memorize_args: str,
     ) -> None:
         super().__init__()
+        self.memorize = memorize or memorize_from_args(memorize_args)
+        if use_correct_answer and answer_of is None:
+            raise StageError(
+                "hope: use_correct_answer needs each request's answer (answer_of); "
+                "python stages/zeroshot.py provides it from the tasks"
+            )
+        self.use_correct_answer, self.answer_of = use_correct_answer, answer_of
+        self._instances: list[Any] | None = None
         if str(batch_size).startswith("auto"):
             raise StageError("hope: batch_size=auto is not supported; give a number")
         self.pretrained = pretrained
@@ -96,11 +115,27 @@ class HopeHarnessLM(TemplateLM):
     ) -> list[int]:
         return list(self.sp.encode(string))
 
+    def loglikelihood(
+        self, requests: list[Any], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        self._instances = requests  # adaptive scoring reads each request's document
+        try:
+            return super().loglikelihood(requests, disable_tqdm)
+        finally:
+            self._instances = None
+
     def _loglikelihood_tokens(
         self, requests: list[tuple[tuple[str, str], list[int], list[int]]], **kwargs: Any
     ) -> list[tuple[float, bool]]:
         pairs = [(context, continuation) for _, context, continuation in requests]
-        results = self.score_pairs(pairs, disable_tqdm=kwargs.get("disable_tqdm", False))
+        if self.memorize is not None and self._instances is not None:
+            docs = [(r.task_name, r.doc_id) for r in self._instances]
+            answers = [bool(self.answer_of and self.answer_of(r)) for r in self._instances]
+            results = score_documents(
+                self.model, pairs, docs, answers, self.memorize, self.use_correct_answer, self.amp
+            )
+        else:
+            results = self.score_pairs(pairs, disable_tqdm=kwargs.get("disable_tqdm", False))
         for (request, _, _), result in zip(requests, results, strict=True):
             self.cache_hook.add_partial("loglikelihood", request, result)
         return results
@@ -200,6 +235,33 @@ class HopeHarnessLM(TemplateLM):
                 decoder.feed([token])
         cuts = [text.index(stop) for stop in until if stop in text]
         return text[: min(cuts)] if cuts else text
+
+
+MEMORIZE_ARGS = ("steps", "paths", "layers", "reset", "surprise_threshold")
+
+
+def memorize_from_args(args: dict[str, str]) -> MemorizeConfig | None:
+    """``memorize_*`` model_args (strings, lists joined by ``+``) as a MemorizeConfig;
+    None without ``memorize_steps`` (or with 0)."""
+    known = {f"memorize_{name}" for name in MEMORIZE_ARGS}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise StageError(f"hope: unknown model_args key {unknown[0]!r}")
+    steps = int(args.get("memorize_steps") or 0)
+    if steps == 0:
+        return None
+    paths, layers = args.get("memorize_paths"), args.get("memorize_layers")
+    tau = args.get("memorize_surprise_threshold")
+    try:
+        return MemorizeConfig(
+            paths=None if paths is None else tuple(paths.split("+")),
+            layers=None if layers is None else tuple(int(v) for v in layers.split("+")),
+            surprise_threshold=None if tau is None else float(tau),
+            steps=steps,
+            reset=args.get("memorize_reset", "reset_per_sample"),  # type: ignore[arg-type]
+        )
+    except ValueError as err:
+        raise StageError(f"hope: {err}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,10 +10,17 @@ request).
 The report: ``metrics`` (task -> metric -> number, with lm-eval's stderr beside each
 metric as ``<metric>_stderr`` and the scored document count ``n``) and ``records``
 (lm-eval version, task versions, checkpoint, variant).
+
+``zeroshot.memorize``: a second lm-eval run scores the cloze and multiple-choice tasks
+adaptively (hope.eval.harness_memorize, the ``memorize`` section); each of their
+metrics gets ``adaptive_<metric>`` and ``delta_<metric>`` beside it. With
+``memorize.use_correct_answer`` the carried stream is written each document's correct
+continuation after it is scored (``answer_checker``, from the task's own target).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -22,8 +29,11 @@ from typing import Any
 from hope.config import Config
 from hope.data.download import iter_jsonl_texts
 from hope.errors import ConfigError, StageError
+from hope.eval.memorizing import memorize_config, side_by_side
 from hope.eval.zeroshot_items import TASKS as OFFLINE_TASKS
 from hope.eval.zeroshot_items import write_items
+from hope.model.lm import LanguageModel
+from hope.model.memorize import MemorizeConfig
 
 log = logging.getLogger("hope.eval")
 
@@ -48,6 +58,31 @@ def check_tasks(tasks: list[str], manager: Any) -> None:
         )
 
 
+ADAPTIVE_TYPES = ("loglikelihood", "multiple_choice")
+
+
+def leaf_tasks(tasks: list[str], manager: Any) -> dict[str, Any]:
+    """Task name -> lm-eval Task of every task (groups opened)."""
+    return dict(manager.load(tasks)["tasks"])
+
+
+def answer_checker(tasks: dict[str, Any]) -> Any:
+    """Instance -> whether its continuation is its document's correct one: a cloze
+    request is its own target; a multiple-choice request is correct when its choice
+    index is the task's target (an index, or a choice's text)."""
+
+    def is_answer(request: Any) -> bool:
+        task = tasks[request.task_name]
+        if task.OUTPUT_TYPE == "loglikelihood":
+            return True
+        gold = task.doc_to_target(request.doc)
+        if isinstance(gold, str) and not gold.isdigit():
+            gold = task.doc_to_choice(request.doc).index(gold)
+        return int(gold) == int(request.idx)
+
+    return is_answer
+
+
 def flatten_results(results: dict[str, Any], n_samples: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's ``{"acc,none": x, "acc_stderr,none": s, "alias": ...}`` per task as
     numbers only: ``{"acc": x, "acc_stderr": s, "n": documents}`` (a filter other than
@@ -64,6 +99,20 @@ def flatten_results(results: dict[str, Any], n_samples: dict[str, Any]) -> dict[
             flat["n"] = n_samples[task].get("effective", n_samples[task].get("original"))
         table[task] = flat
     return table
+
+
+def adaptive_config(cfg: Config, model: LanguageModel) -> MemorizeConfig | None:
+    """``zeroshot.memorize``: the adaptive run's memorisation (per document unless
+    ``memorize.reset`` carries); refused for titans_mac (its state continues only at
+    segment boundaries, a document's context ends anywhere)."""
+    if not cfg.zeroshot.memorize:
+        return None
+    if model.cfg.variant == "titans_mac":
+        raise ConfigError(
+            "zeroshot.memorize: titans_mac continues a state only at segment boundaries; "
+            "adaptive scoring is not defined for it here (set zeroshot.memorize=false)"
+        )
+    return memorize_config(cfg.memorize, "zeroshot", "reset_per_sample", model)
 
 
 def run_zeroshot(
@@ -97,22 +146,34 @@ def run_zeroshot(
         str(ckpt_dir), tokenizer=str(tokenizer_model), device=str(device),
         batch_size=zs.batch_size, precision=cfg.train.precision,
     )  # fmt: skip
-    try:
-        out = lm_eval.simple_evaluate(
-            model=model, tasks=list(zs.tasks),
-            task_manager=manager,
-            num_fewshot=zs.num_fewshot, limit=zs.limit, bootstrap_iters=zs.bootstrap_iters,
-            random_seed=zs.seed, numpy_random_seed=zs.seed, torch_random_seed=zs.seed,
-            fewshot_random_seed=zs.seed, log_samples=False,
-        )  # fmt: skip
-    except ConnectionError as err:
-        raise StageError(
-            f"zeroshot: a task's data needs the HuggingFace hub, which is unreachable ({err}); "
-            f"use the offline tasks ({', '.join(OFFLINE_TASKS)})"
-        ) from None
-    if out is None:
-        raise StageError("zeroshot: lm-eval returned no results")
+    mem = adaptive_config(cfg, model.model)  # bad memorize.* before any scoring
+
+    def evaluate(tasks: list[str]) -> dict[str, Any]:
+        try:
+            out = lm_eval.simple_evaluate(
+                model=model, tasks=tasks, task_manager=manager,
+                num_fewshot=zs.num_fewshot, limit=zs.limit, bootstrap_iters=zs.bootstrap_iters,
+                random_seed=zs.seed, numpy_random_seed=zs.seed, torch_random_seed=zs.seed,
+                fewshot_random_seed=zs.seed, log_samples=False,
+            )  # fmt: skip
+        except ConnectionError as err:
+            raise StageError(
+                f"zeroshot: a task's data needs the HuggingFace hub, which is unreachable "
+                f"({err}); use the offline tasks ({', '.join(OFFLINE_TASKS)})"
+            ) from None
+        if out is None:
+            raise StageError("zeroshot: lm-eval returned no results")
+        return out
+
+    out = evaluate(list(zs.tasks))
     metrics = {"step": model.loaded.step, **flatten_results(out["results"], out["n-samples"])}
+    if mem is not None:
+        tasks = leaf_tasks(list(zs.tasks), manager)
+        model.memorize, model.answer_of = mem, answer_checker(tasks)
+        model.use_correct_answer = cfg.memorize.use_correct_answer
+        again = evaluate([n for n, t in tasks.items() if t.OUTPUT_TYPE in ADAPTIVE_TYPES])
+        for task, row in flatten_results(again["results"], again["n-samples"]).items():
+            metrics[task] = side_by_side(metrics.get(task, {}), row)
     records = {
         "lm_eval": lm_eval.__version__,
         "versions": out.get("versions", {}),
@@ -120,5 +181,6 @@ def run_zeroshot(
         "checkpoint": str(ckpt_dir),
         "variant": model.model.cfg.variant,
         "offline_items": counts,
+        "memorize": None if mem is None else dataclasses.asdict(mem),
     }
     return metrics, records
