@@ -32,7 +32,11 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     write_metrics(REPORT, metrics, records)
     plot_niah({k: v for k, v in metrics.items() if k != "step"}, HEATMAP)
     for task in cfg.niah.tasks:
-        accs = ", ".join(f"{n} {row['acc']:.2f}" for n, row in metrics[task].items())
+        accs = ", ".join(
+            f"{n} {row['acc']:.2f}"
+            + (f" (memorised {row['adaptive_acc']:.2f})" if "adaptive_acc" in row else "")
+            for n, row in metrics[task].items()
+        )
         print(f"niah {task} (chance {1 / cfg.niah.candidates:.2f}): {accs}")
 
 

@@ -95,9 +95,9 @@ def test_model_args_build_the_memorisation_and_name_a_bad_key() -> None:
 def test_stage_puts_adaptive_numbers_beside_the_plain_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hope.io import non_numbers
-
     import shutil
+
+    from hope.io import non_numbers
 
     monkeypatch.chdir(make_pipeline_layout(tmp_path))
     shutil.copytree(ROOT / "configs/lm_eval", tmp_path / "configs/lm_eval")

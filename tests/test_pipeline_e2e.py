@@ -319,6 +319,12 @@ def test_readme_niah_command_runs(dvc_repo: Path) -> None:
     assert "niah mk_niah" in out and "s_niah_2" not in out
 
 
+def test_readme_memorisation_command_runs(dvc_repo: Path) -> None:
+    command = _readme_command("## Test-time memorisation in the evaluators")
+    out = _run_put_back(dvc_repo, command, _outputs("niah", "niah_heatmap.png"))
+    assert "niah s_niah_1 (chance 0.25): len_160" in out and "(memorised " in out
+
+
 def test_readme_longctx_command_runs(dvc_repo: Path) -> None:
     command = _readme_command("## Long-context perplexity")
     out = _run_put_back(dvc_repo, command, _outputs("longctx", "longctx.png"))

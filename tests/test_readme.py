@@ -28,7 +28,12 @@ COVERED = {
     r"python stages/zeroshot\.py --set .*|python -m hope\.eval\.harness .*": (
         f"{E2E}::test_readme_zeroshot_commands_run_on_the_release"
     ),
-    r"python stages/niah\.py --set .*": f"{E2E}::test_readme_niah_command_runs",
+    r"python stages/niah\.py --set niah\.tasks=\[s_niah_1,mk_niah\] .*": (
+        f"{E2E}::test_readme_niah_command_runs"
+    ),
+    r"python stages/niah\.py --set .* --set niah\.memorize=true .*": (
+        f"{E2E}::test_readme_memorisation_command_runs"
+    ),
     r"python -m hope\.report\.tables .*": f"{E2E}::test_readme_tables_command_runs",
     r"python stages/longctx\.py --set .*": f"{E2E}::test_readme_longctx_command_runs",
     r"python stages/continual\.py --set .*": f"{E2E}::test_readme_continual_command_runs",
