@@ -4,6 +4,7 @@ be kept exact are refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -45,13 +46,21 @@ def _run_worker(out: Path, nproc: int, *extra: str) -> subprocess.CompletedProce
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("train.micro_batch_size=1",)])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("train.micro_batch_size=1",),
+        ("train.parallel=fsdp",),
+        ("train.parallel=fsdp", "train.micro_batch_size=1", "model.variant=titans_mac"),
+    ],
+)
 def test_two_processes_train_what_one_process_trains(
     tmp_path: Path, extra: tuple[str, ...]
 ) -> None:
-    """hope on 2 ranks x 2 rows (and micro-batches of 1 row) vs 1 process x 4 rows:
-    the same train and validation losses at every logged step, within fp32
-    summation-order noise; rank 0 alone writes reports and checkpoints."""
+    """hope on 2 ranks x 2 rows (and micro-batches of 1 row; and FSDP2, sharded) vs 1
+    process x 4 rows: the same train and validation losses at every logged step, within
+    fp32 summation-order noise; rank 0 alone writes reports and checkpoints."""
     one = _run_worker(tmp_path / "one", 1, *extra)
     assert one.returncode == 0, one.stderr[-3000:]
     two = _run_worker(tmp_path / "two", 2, *extra)
@@ -97,3 +106,87 @@ def test_the_stage_relaunches_itself_under_torchrun(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("HOPE_RDZV_ENDPOINT", raising=False)
     with pytest.raises(ConfigError, match="HOPE_RDZV_ENDPOINT"):
         d.relaunch_command(hope.load_config(None, ["train.nnodes=2"]), ["x"])
+
+
+LONG = ("train.steps=60", "train.checkpoint_every=5", "train.keep_checkpoints=20")
+
+
+def _kill_all(marker: str) -> None:
+    """SIGKILL every process whose command line holds ``marker``, and wait for them."""
+    import signal
+    import time
+
+    def holders() -> list[int]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        return found
+
+    for pid in holders():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while holders() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _metrics(out: Path) -> dict[str, float]:
+    return json.loads((out / "reports/train.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_killed_fsdp_run_resumes_on_one_process_and_back(tmp_path: Path) -> None:
+    """Two FSDP2 ranks killed mid-run resume on one process (checkpoint layout by name
+    -> by index), and a one-process checkpoint resumes on two FSDP2 ranks (by index ->
+    by name): both end with the metrics of an uninterrupted run."""
+    import shutil
+    import time
+
+    whole = _run_worker(tmp_path / "whole", 1, *LONG)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    reference = _metrics(tmp_path / "whole")
+
+    out = tmp_path / "killed"
+    out.mkdir()
+    script = out / "worker.py"
+    extra = (*LONG, "train.parallel=fsdp")
+    script.write_text(WORKER.format(tests=str(ROOT / "tests"), out=str(out), extra=extra,
+                                    rank_file=False))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(script)]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (out / "ckpt/step_0000010.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _kill_all(str(script))  # torchrun and its workers (their own sessions), as a scheduler
+    proc.wait()
+    assert not (out / "ckpt/step_0000060.pt").exists(), "the run ended before the kill"
+    # A resume continues from the newest checkpoint and never rewrites it (a fresh
+    # start would: same numbers, new file).
+    newest = sorted((out / "ckpt").glob("step_*.pt"))[-1]
+    inode = newest.stat().st_ino
+    resumed = _run_worker(out, 1, *LONG)  # train.parallel=ddp: one plain process
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert newest.stat().st_ino == inode
+    for key in ("train_loss", "val_loss"):
+        assert _metrics(out)[key] == pytest.approx(reference[key], rel=1e-5), key
+
+    back = tmp_path / "back"
+    shutil.copytree(tmp_path / "whole/ckpt", back / "ckpt")
+    for late in sorted((back / "ckpt").glob("step_*"))[:]:
+        if int(late.name[5:12]) > 30:
+            late.unlink()
+    inode = (back / "ckpt/step_0000030.pt").stat().st_ino
+    two = _run_worker(back, 2, *LONG, "train.parallel=fsdp")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert (back / "ckpt/step_0000030.pt").stat().st_ino == inode
+    for key in ("train_loss", "val_loss"):
+        assert _metrics(back)[key] == pytest.approx(reference[key], rel=1e-5), key

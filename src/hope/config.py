@@ -285,6 +285,16 @@ def _validate(cfg: Config) -> None:
         (cfg.train.nproc_per_node >= 1, "train.nproc_per_node must be >= 1"),
         (cfg.train.nnodes >= 1, "train.nnodes must be >= 1"),
         (
+            cfg.train.parallel == "ddp" or cfg.optim.name == "adamw",
+            f"train.parallel=fsdp shards every matrix; optim.name={cfg.optim.name} "
+            "orthogonalises whole matrices (use optim.name=adamw or train.parallel=ddp)",
+        ),
+        (
+            cfg.train.parallel == "ddp" or cfg.train.nan_policy != "skip",
+            "train.nan_policy=skip restores unsharded optimizer state; with "
+            "train.parallel=fsdp use nan_policy stop or rewind",
+        ),
+        (
             cfg.train.keep_checkpoints >= 1,
             f"train.keep_checkpoints={cfg.train.keep_checkpoints} must be >= 1",
         ),

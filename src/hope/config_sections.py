@@ -78,6 +78,9 @@ class TrainConfig:
     # node and nodes; the global batch (train.batch_size) is split over all of them.
     nproc_per_node: int = 1
     nnodes: int = 1
+    # ddp: every rank holds the whole model state; fsdp: FSDP2 (fully_shard) shards
+    # parameters, gradients and AdamW state over the ranks (hope.train.distributed).
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
     # The numerics of a run (train and eval; hope.train.device.configure_numerics).
     # Every one of them changes the numbers, so none is left to the machine:

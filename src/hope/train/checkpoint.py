@@ -38,7 +38,7 @@ FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 # and micro-batch size change only the order of floating-point sums).
 OBSERVATION_KNOBS = (
     "log_every", "checkpoint_every", "keep_checkpoints", "wandb_mode", "wandb_project",
-    "nproc_per_node", "nnodes",
+    "nproc_per_node", "nnodes", "parallel",
 )  # fmt: skip
 
 

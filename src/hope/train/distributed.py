@@ -10,6 +10,16 @@ at step s is the same token rows whatever the world size or micro-batch size
 ``torch.distributed.run`` (``relaunch_command``); under an existing torchrun (or
 SLURM + torchrun) environment — ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` — it joins
 the process group instead. Rank 0 alone writes checkpoints and reports.
+
+``train.parallel=fsdp``: FSDP2 (``fully_shard``) instead of DDP. Parameters,
+gradients and AdamW state are sharded over the ranks at rest; the whole model is one
+FSDP unit, gathered for each forward and backward, because HOPE's teach pass calls
+block methods other than ``forward`` (``mix``, ``cms.read``/``write``), which
+FSDP2's per-module hooks would not see. bf16 comes from autocast as on one device
+(no FSDP parameter cast: the fast-state arithmetic keeps its precision); gradients are
+reduced in fp32. Checkpoints are gathered to the same single file as ever
+(``full_state_dict``), so a run resumes on any world size and the release reads it
+unchanged; the optimizer state is stored by parameter name (``state_dicts``).
 """
 
 from __future__ import annotations
@@ -19,10 +29,12 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hope.config import Config
@@ -130,15 +142,40 @@ class TrainingLoss(nn.Module):
         return self.model.training_loss(tokens, targets)  # type: ignore[operator]
 
 
-def wrap(model: nn.Module, env: DistEnv, device: torch.device) -> DistributedDataParallel | None:
-    """DDP over ``TrainingLoss(model)``, or None for a single process."""
+Wrapped = DistributedDataParallel | FSDPModule
+
+
+def wrap(
+    model: nn.Module, env: DistEnv, device: torch.device, parallel: str = "ddp"
+) -> Wrapped | None:
+    """DDP or FSDP2 over ``TrainingLoss(model)``, or None for a single process. Build the
+    optimizer after this: FSDP2 replaces the parameters by sharded DTensors."""
     if not env.enabled:
         return None
+    if parallel == "fsdp":
+        root = TrainingLoss(model)
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        fully_shard(root, mp_policy=policy)
+        return cast(FSDPModule, root)
     ids = [device.index] if device.type == "cuda" else None
     # Some configurations leave parameters out of a step's graph (a write whose chunk
     # ends with the sequence, write_grad=stopgrad, a static CMS in training): DDP must
     # look for them, or its reducer waits for gradients that never come.
     return DistributedDataParallel(TrainingLoss(model), device_ids=ids, find_unused_parameters=True)
+
+
+def accumulating(wrapped: Wrapped | None, last: bool) -> contextlib.AbstractContextManager[None]:
+    """Gradient accumulation: ranks synchronise gradients only at the last micro-batch."""
+    if isinstance(wrapped, FSDPModule):
+        wrapped.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if wrapped is not None and not last:
+        return cast(contextlib.AbstractContextManager[None], wrapped.no_sync())
+    return contextlib.nullcontext()
+
+
+def is_sharded(wrapped: Wrapped | None) -> bool:
+    return isinstance(wrapped, FSDPModule)
 
 
 def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,6 +27,7 @@ from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env
+from hope.train import state_dicts
 from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime
 from hope.train.guard import NonFiniteWatch, RunLock
 from hope.train.logger import SilentLogger, TrainLogger, write_tsv
@@ -55,7 +56,8 @@ class Trainer:
         setup_runtime(cfg.train, self.device)
         self.amp_dtype = autocast_dtype(self.device, cfg.train.precision)
         self.model = build_model(cfg.model).to(self.device)
-        self.ddp = dist_env.wrap(self.model, self.env, self.device)
+        self.ddp = dist_env.wrap(self.model, self.env, self.device, cfg.train.parallel)
+        self.by_name = cfg.train.parallel == "fsdp"  # checkpoint layout (state_dicts)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.fingerprint = ckpt.config_fingerprint(cfg)
@@ -109,8 +111,7 @@ class Trainer:
         log.info("resuming from step %d (%s)", self.step, latest.name)
 
     def restore(self, payload: dict[str, Any]) -> None:
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        state_dicts.load(self.model, self.optimizer, payload, self.by_name, self.plain_copy)
         self.scheduler.load_state_dict(payload["scheduler"])
         ckpt.restore_rng_state(payload["rng"])
         self.step, self.tokens_seen = int(payload["step"]), int(payload["tokens_seen"])
@@ -173,11 +174,14 @@ class Trainer:
         return int(dist_env.all_reduce_sum(self.watch.count.clone(), self.env).item())
 
     def save(self) -> None:
-        if not self.env.is_main:  # every rank holds the same model and optimizer
+        # Every rank: under FSDP gathering the shards is a collective.
+        model_sd, optim_sd = state_dicts.gather(self.model, self.optimizer, self.by_name)
+        if not self.env.is_main:  # rank 0 holds the whole state
             return
         payload = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "optimizer_layout": state_dicts.layout(self.by_name),
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "step": self.step,
@@ -298,6 +302,11 @@ class Trainer:
             "tokens_per_s": interval_tokens / seconds,
         }
 
+    def plain_copy(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """A model and optimizer as one process builds them, on the CPU."""
+        model = build_model(self.cfg.model)
+        return model, build_optimizer(model, self.cfg.optim)
+
     def validation_loss(self) -> torch.Tensor:
         """Mean CE per target token over the validation batches; with several ranks each
         scores its share of every batch's rows and the sums are reduced."""
@@ -310,17 +319,23 @@ class Trainer:
                 self.cfg.train.micro_batch_size,
             )
         total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (sum, tokens)
+        sharded = dist_env.is_sharded(self.ddp)
+        compute = cast(Any, self.ddp) if sharded else None
         for x, y in self.val_batches:
             share = micro_slices(x.shape[0], -(-x.shape[0] // self.env.world_size))
-            if self.env.rank >= len(share):
+            idle = self.env.rank >= len(share)
+            if idle and not sharded:
                 continue
-            part = share[self.env.rank]
+            # Under FSDP every rank joins every forward's gathers: an idle rank scores
+            # one row with weight 0.
+            part = slice(0, 1) if idle else share[self.env.rank]
             mean = evaluate_loss(
                 self.model, [(x[part], y[part])], self.device, self.amp_dtype,
-                self.cfg.train.micro_batch_size,
+                self.cfg.train.micro_batch_size, compute,
             )  # fmt: skip
-            total[0] += mean * y[part].numel()
-            total[1] += y[part].numel()
+            weight = 0 if idle else y[part].numel()
+            total[0] += mean * weight
+            total[1] += weight
         total = dist_env.all_reduce_sum(total, self.env)
         return total[0] / total[1]
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from hope.model.lm import LanguageModel
 from hope.optim.groups import HybridOptimizer
+from hope.train.distributed import Wrapped, accumulating
 
 
 def autocast(
@@ -44,7 +44,7 @@ def train_step(
     amp_dtype: torch.dtype | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     micro_batch: int | None = None,
-    ddp: DistributedDataParallel | None = None,
+    ddp: Wrapped | None = None,
     skip_nonfinite: bool = False,
 ) -> torch.Tensor:
     """One optimizer step on batch (x, y) [B, T]; returns the detached loss, still on device.
@@ -54,8 +54,8 @@ def train_step(
     accumulation over row slices of that size, each weighted by its share of the rows,
     so the gradient is the whole batch's (fast state is per sample: the slices are
     independent) and only one slice's activations are alive at a time. ``ddp``: the
-    DistributedDataParallel wrapper of the loss (``hope.train.distributed``); gradients
-    are averaged over ranks once, at the last slice. ``skip_nonfinite``: when the
+    DDP or FSDP2 wrapper of the loss (``hope.train.distributed``); gradients are
+    averaged over ranks once, at the last slice. ``skip_nonfinite``: when the
     gradient norm is not finite, parameters and optimizer state stay as they were (the
     scheduler still advances) and the returned loss is NaN; decided on the device from
     the reduced gradients, so every rank skips together.
@@ -64,11 +64,12 @@ def train_step(
     rows = x.shape[0]
     total: torch.Tensor | None = None
     parts = micro_slices(rows, micro_batch)
-    compute = ddp if ddp is not None else (loss_fn or model.training_loss)
+    compute: Callable[..., torch.Tensor] = (
+        cast(Any, ddp) if ddp is not None else (loss_fn or model.training_loss)
+    )
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
-        no_sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
-        with no_sync:
+        with accumulating(ddp, last):
             with autocast(x.device, amp_dtype):
                 loss = compute(x[part], y[part])
             weight = (part.stop - part.start) / rows
@@ -143,9 +144,13 @@ def evaluate_loss(
     device: torch.device,
     amp_dtype: torch.dtype | None,
     micro_batch: int | None = None,
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Mean CE per target token over the batches (the last may be smaller), on device;
-    each batch in row slices of ``micro_batch`` (bounded memory, same value)."""
+    each batch in row slices of ``micro_batch`` (bounded memory, same value).
+    ``compute``: the loss module to call (an FSDP2 root gathers its shards in its
+    forward); default ``model.training_loss``."""
+    compute = compute or model.training_loss
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
@@ -153,7 +158,7 @@ def evaluate_loss(
     for x, y in batches:
         for part in micro_slices(x.shape[0], micro_batch):
             with autocast(device, amp_dtype):
-                loss = model.training_loss(x[part].to(device), y[part].to(device))
+                loss = compute(x[part].to(device), y[part].to(device))
             total += loss.double() * y[part].numel()
             count += y[part].numel()
     model.train(was_training)

@@ -1,0 +1,186 @@
+"""Will it fit: a per-GPU memory plan for a preset, from activations measured on CPU.
+
+    python -m hope.train.plan --preset pilot --gpu-mem-gb 80 --gpus 8
+
+Method (docs/SCALING.md). What a training step keeps for backward is counted exactly
+by ``torch.autograd.graph.saved_tensors_hooks`` around ``training_loss`` (unique
+storages, parameters excluded), at the preset's own width and chunking, in its
+precision (CPU autocast for bf16), with one and two layers and two short lengths,
+batch 1. Per-layer bytes = two layers - one layer; the shell (embedding, logits,
+loss) = one layer - per layer; each fitted as a + b·T and extrapolated to the
+preset's context and depth. A third, longer length is predicted before it is
+measured: that error is the plan's error bar. Model state per GPU: fp32 weights,
+gradients and AdamW's two moments, 16 bytes per parameter (divided over the GPUs
+under FSDP). Peak = state + micro-batch x activations per row, times a 1.2 margin
+for the backward's transient gradients and allocator fragmentation (an assumption,
+stated, until a GPU measures it: scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from hope.config import Config, load_config
+from hope.errors import ConfigError
+from hope.model.zoo import build_model
+
+MARGIN = 1.2  # backward transients and fragmentation (assumed; see the module doc)
+STATE_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+GIB = 1024**3
+
+
+def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, amp: torch.dtype | None) -> int:
+    """Bytes autograd saves for backward in one ``training_loss`` of ``tokens`` [B, T]
+    (each storage once; parameters are model state, not activations)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None),
+    ):
+        model.training_loss(tokens[:, :-1], tokens[:, 1:])  # type: ignore[operator]
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class Fit:
+    """bytes(T) = fixed + per_token·T, per row."""
+
+    fixed: float
+    per_token: float
+
+    def __call__(self, length: int) -> float:
+        return self.fixed + self.per_token * length
+
+
+def _fit(lengths: Sequence[int], values: Sequence[float]) -> Fit:
+    (t1, t2), (v1, v2) = lengths, values
+    slope = (v2 - v1) / (t2 - t1)
+    return Fit(v1 - slope * t1, slope)
+
+
+@dataclass(frozen=True)
+class Activations:
+    layer: Fit
+    shell: Fit
+    holdout_length: int
+    holdout_error: float  # (predicted - measured) / measured, one layer at holdout_length
+
+    def per_row(self, length: int, n_layers: int) -> float:
+        return self.shell(length) + n_layers * self.layer(length)
+
+
+def measure(cfg: Config, lengths: tuple[int, int, int], amp: torch.dtype | None) -> Activations:
+    """Fit per-layer and shell activation bytes at ``lengths[:2]``; predict ``lengths[2]``."""
+
+    def bytes_at(n_layers: int, length: int) -> float:
+        torch.manual_seed(0)
+        model = build_model(replace(cfg.model, n_layers=n_layers)).train()
+        vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+        tokens = torch.randint(0, vocab, (1, length + 1))
+        return float(saved_bytes(model, tokens, amp))
+
+    short = lengths[:2]
+    one = [bytes_at(1, t) for t in short]
+    two = [bytes_at(2, t) for t in short]
+    layer = _fit(short, [b - a for a, b in zip(one, two, strict=True)])
+    shell = _fit(short, [a - (b - a) for a, b in zip(one, two, strict=True)])
+    predicted = shell(lengths[2]) + layer(lengths[2])
+    measured = bytes_at(1, lengths[2])
+    return Activations(layer, shell, lengths[2], (predicted - measured) / measured)
+
+
+@dataclass(frozen=True)
+class Plan:
+    params: int
+    state_gib: float  # per GPU
+    activations_gib_per_row: float
+    micro_batch: int | None  # largest that fits (None: not even one row)
+    grad_accum: int | None
+    peak_gib: float | None
+    holdout_error: float
+
+
+def make_plan(cfg: Config, acts: Activations, gpu_mem_gb: float, gpus: int, fsdp: bool) -> Plan:
+    model_params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    state = STATE_BYTES_PER_PARAM * model_params / (gpus if fsdp else 1)
+    row = acts.per_row(cfg.data.seq_len, cfg.model.n_layers)
+    rows_per_gpu = cfg.train.batch_size // gpus
+    budget = gpu_mem_gb * GIB  # GPU memory as nvidia-smi counts it (GiB)
+    fits = [m for m in range(1, rows_per_gpu + 1) if rows_per_gpu % m == 0]
+    fits = [m for m in fits if MARGIN * (state + m * row) <= budget]
+    micro = max(fits) if fits else None
+    return Plan(
+        params=model_params,
+        state_gib=state / GIB,
+        activations_gib_per_row=row / GIB,
+        micro_batch=micro,
+        grad_accum=None if micro is None else rows_per_gpu // micro,
+        peak_gib=None if micro is None else MARGIN * (state + micro * row) / GIB,
+        holdout_error=acts.holdout_error,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hope.train.plan", description=__doc__)
+    parser.add_argument("--preset", default="pilot")
+    parser.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs in all (data parallel)")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model state (FSDP2)")
+    parser.add_argument("--lengths", default="128,256,512", help="measured T: fit, fit, check")
+    parser.add_argument("--set", action="append", default=[], help="a config override")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(None, [f"preset={args.preset}", *args.set])
+        lengths = tuple(int(v) for v in args.lengths.split(","))
+        if len(lengths) != 3 or not 0 < lengths[0] < lengths[1] < lengths[2]:
+            raise ConfigError(f"--lengths={args.lengths}: three increasing lengths")
+        if args.gpus < 1 or cfg.train.batch_size % args.gpus:
+            raise ConfigError(
+                f"--gpus={args.gpus} must divide train.batch_size={cfg.train.batch_size}"
+            )
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    amp = torch.bfloat16 if cfg.train.precision in ("bf16", "auto") else None
+    acts = measure(cfg, lengths, amp)  # type: ignore[arg-type]
+    plan = make_plan(cfg, acts, args.gpu_mem_gb, args.gpus, args.fsdp)
+    print(
+        f"{args.preset} ({cfg.model.variant}, {plan.params / 1e6:.1f}M parameters, "
+        f"T={cfg.data.seq_len}, batch {cfg.train.batch_size} on {args.gpus} GPU(s) of "
+        f"{args.gpu_mem_gb:g} GB{', FSDP' if args.fsdp else ''}):\n"
+        f"  model state {plan.state_gib:.2f} GiB per GPU; activations "
+        f"{plan.activations_gib_per_row:.2f} GiB per row "
+        f"(check at T={lengths[2]}: {plan.holdout_error:+.1%})"
+    )
+    if plan.micro_batch is None:
+        budget = args.gpu_mem_gb / MARGIN
+        why = (
+            "one row's activations alone exceed it: raise model.smt_checkpoint_chunks "
+            "or shorten data.seq_len"
+            if plan.activations_gib_per_row >= budget
+            else "the model state leaves too little: use --fsdp or more GPUs"
+        )
+        print(f"  does not fit: not even one row per GPU; {why}")
+        return 1
+    print(
+        f"  micro_batch_size {plan.micro_batch}, gradient accumulation {plan.grad_accum}, "
+        f"peak ≈ {plan.peak_gib:.1f} GiB per GPU (x{MARGIN} margin)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

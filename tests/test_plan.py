@@ -1,0 +1,74 @@
+"""The memory planner (hope.train.plan): saved-activation bytes are counted exactly on a
+module whose saved tensors are known, the linear fit and the plan are the arithmetic
+they claim, and the command plans the tiny preset (bad input: one line, exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hope.config import load_config
+from hope.model.zoo import build_model
+from hope.train.plan import (
+    GIB,
+    MARGIN,
+    STATE_BYTES_PER_PARAM,
+    Activations,
+    Fit,
+    _fit,
+    main,
+    make_plan,
+    saved_bytes,
+)
+
+
+class _Known(nn.Module):
+    """Embedding (saves its indices), a bias-free linear (saves its input; the weight
+    is a parameter, not counted) and a square (saves its input)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.lin = nn.Linear(dim, dim, bias=False)
+
+    def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(tokens)).pow(2).mean()
+
+
+def test_saved_bytes_counts_each_saved_storage_once_without_parameters() -> None:
+    batch, length, dim = 3, 7, 6
+    tokens = torch.randint(0, 11, (batch, length + 1))
+    got = saved_bytes(_Known(dim=dim), tokens, None)
+    indices = batch * (length + 1) * 8  # the view's whole int64 storage
+    assert got == indices + 2 * batch * length * dim * 4  # emb output and linear output
+
+
+def test_fit_is_exact_on_a_line_and_plan_picks_the_largest_fitting_divisor() -> None:
+    fit = _fit([100, 300], [1100.0, 3100.0])
+    assert (fit.fixed, fit.per_token) == (100.0, 10.0) and fit(1000) == 10100.0
+    cfg = load_config(None, ["preset=tiny", "train.batch_size=16"])
+    params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    row = 0.25 * GIB / cfg.model.n_layers  # per layer at any length: 0.25 GiB per row
+    acts = Activations(Fit(row, 0.0), Fit(0.0, 0.0), 256, 0.01)
+    state = STATE_BYTES_PER_PARAM * params
+    memory = (MARGIN * (state + 4 * 0.25 * GIB) + 1) / GIB  # 4 rows fit, 8 do not
+    plan = make_plan(cfg, acts, memory, gpus=2, fsdp=False)
+    assert (plan.micro_batch, plan.grad_accum) == (4, 2)  # 8 rows per GPU, divisors 1,2,4,8
+    assert plan.peak_gib == pytest.approx(MARGIN * (state + GIB) / GIB)
+    sharded = make_plan(cfg, acts, memory, gpus=2, fsdp=True)
+    assert sharded.state_gib == pytest.approx(plan.state_gib / 2)
+    assert make_plan(cfg, acts, 0.1, gpus=2, fsdp=False).micro_batch is None
+
+
+def test_command_plans_tiny_and_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--preset", "tiny", "--gpu-mem-gb", "1", "--gpus", "2", "--lengths", "16,32,64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "micro_batch_size 8, gradient accumulation 1" in out and "check at T=64" in out
+    assert main([*argv, "--gpus", "3"]) == 2
+    assert "--gpus=3 must divide train.batch_size=16" in capsys.readouterr().err
+    assert main([*argv[:6], "--lengths", "64,32,16"]) == 2
+    assert "three increasing lengths" in capsys.readouterr().err
+    assert main(["--preset", "huge"]) == 2
+    assert "huge" in capsys.readouterr().err
