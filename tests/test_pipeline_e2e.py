@@ -191,20 +191,22 @@ def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
     run([sys.executable, "stages/release.py", "--verify", "release"], repo)
 
 
-def test_readme_data_parallel_command_trains_on_two_ranks(dvc_repo: Path, tmp_path: Path) -> None:
-    """The README's scale-out command on the pipeline's own shards: the stage re-runs
-    itself under torchrun (2 gloo ranks, micro-batches of 4 of each rank's 4 rows) and
-    rank 0 alone writes the reports and the checkpoint."""
-    work = tmp_path / "ddp"
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_readme_data_parallel_command_trains_on_two_ranks(
+    dvc_repo: Path, tmp_path: Path, parallel: str
+) -> None:
+    """The README's scale-out commands on the pipeline's own shards: the stage re-runs
+    itself under torchrun (2 gloo ranks; DDP with micro-batches of 4 of each rank's 4
+    rows, or FSDP2) and rank 0 alone writes the reports and the checkpoint."""
+    section = (ROOT / "README.md").read_text().split("## Several GPUs and micro-batches")[1]
+    lines = section.split("```bash")[1].split("```")[0].strip().splitlines()
+    command = next(c for c in lines if ("train.parallel=fsdp" in c) == (parallel == "fsdp"))
+    work = tmp_path / parallel
     for rel in ("stages", "configs", "data/shards", "data/tokenizer"):
         shutil.copytree(dvc_repo / rel, work / rel)
     shutil.copy(dvc_repo / "params.yaml", work / "params.yaml")
     set_params(work, {("train", "steps"): 4, ("train", "val_batches"): 2})
-    proc = run(
-        [sys.executable, "stages/train.py", "--set", "train.nproc_per_node=2",
-         "--set", "train.micro_batch_size=4"],
-        work,
-    )  # fmt: skip
+    proc = run([sys.executable, *shlex.split(command)[1:]], work)
     metrics = _json(work / "reports/train.json")
     assert metrics["steps"] == 4 and math.isfinite(metrics["val_loss"])
     resolved = yaml.safe_load((work / "models/checkpoints/config.yaml").read_text())

@@ -72,3 +72,15 @@ def test_command_plans_tiny_and_refuses_bad_input(capsys: pytest.CaptureFixture[
     assert "three increasing lengths" in capsys.readouterr().err
     assert main(["--preset", "huge"]) == 2
     assert "huge" in capsys.readouterr().err
+
+
+def test_the_readme_plan_command_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = next(
+        line for line in readme.splitlines() if line.startswith("python -m hope.train.plan")
+    )
+    assert main(shlex.split(command)[3:]) == 0
+    assert "tiny (hope," in capsys.readouterr().out

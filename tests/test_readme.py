@@ -22,9 +22,9 @@ COVERED = {
     r"snakemake --cores 2": f"{E2E}::test_snakemake_mirror_reproduces_dvc_bit_for_bit",
     r"snakemake --profile configs/slurm": "tests/test_slurm_profile.py",
     r"python stages/release.py --verify release": E2E,
-    r"python stages/train.py --set train.nproc_per_node=2 --set train.micro_batch_size=4": (
-        f"{E2E}::test_readme_data_parallel_command_trains_on_two_ranks"
-    ),
+    r"python stages/train.py --set train.nproc_per_node=2 --set (train.micro_batch_size=4|"
+    r"train.parallel=fsdp)": f"{E2E}::test_readme_data_parallel_command_trains_on_two_ranks",
+    r"python -m hope\.train\.plan .*": "tests/test_plan.py::test_the_readme_plan_command_runs",
     r"python stages/zeroshot\.py --set .*|python -m hope\.eval\.harness .*": (
         f"{E2E}::test_readme_zeroshot_commands_run_on_the_release"
     ),

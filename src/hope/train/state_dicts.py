@@ -36,6 +36,8 @@ def _load_options(strict: bool = True) -> StateDictOptions:
     optimizer.load_state_dict accepts: so ``strict=False`` for the optimizer."""
     group = torch.distributed.is_available() and torch.distributed.is_initialized()
     return StateDictOptions(full_state_dict=True, broadcast_from_rank0=group, strict=strict)
+
+
 Rebuild = Callable[[], tuple[nn.Module, torch.optim.Optimizer]]
 
 
