@@ -187,11 +187,11 @@ BUNDLE_SHAPE = ["tokenizer.vocab_size=512", "tokenizer.model_type=bpe", "model.d
                 "model.n_layers=1", "model.n_heads=2", "data.seq_len=32"]  # fmt: skip
 
 
-def make_pipeline_layout(root: Path) -> Path:
+def make_pipeline_layout(root: Path, *extra: str) -> Path:
     """``root`` laid out as the pipeline leaves it before the evaluation stages
     (data/raw/val.jsonl, data/tokenizer/spm.model, models/checkpoints/ of the untrained
-    make_bundle model); returns ``root``."""
-    make_bundle(root / "made")
+    make_bundle model, ``extra`` its overrides); returns ``root``."""
+    make_bundle(root / "made", *extra)
     (root / "data/raw").mkdir(parents=True)
     (root / "data/tokenizer").mkdir(parents=True)
     shutil.copy(root / "made/raw/val.jsonl", root / "data/raw/val.jsonl")
