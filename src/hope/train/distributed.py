@@ -17,7 +17,7 @@ FSDP unit, gathered for each forward and backward, because HOPE's teach pass cal
 block methods other than ``forward`` (``mix``, ``cms.read``/``write``), which
 FSDP2's per-module hooks would not see. bf16 comes from autocast as on one device
 (no FSDP parameter cast: the fast-state arithmetic keeps its precision); gradients are
-reduced in fp32. Checkpoints are gathered to the same single file as ever
+reduced in the parameters' dtype (fp32). Checkpoints are gathered to the same single file as ever
 (``full_state_dict``), so a run resumes on any world size and the release reads it
 unchanged; the optimizer state is stored by parameter name (``state_dicts``).
 """
@@ -34,7 +34,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hope.config import Config
@@ -154,8 +154,9 @@ def wrap(
         return None
     if parallel == "fsdp":
         root = TrainingLoss(model)
-        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        fully_shard(root, mp_policy=policy)
+        # No MixedPrecisionPolicy: parameters stay in their dtype (fp32; fp64 in tests) and
+        # gradients are reduced in it; bf16 compute is autocast's, as on one device.
+        fully_shard(root)
         return cast(FSDPModule, root)
     ids = [device.index] if device.type == "cuda" else None
     # Some configurations leave parameters out of a step's graph (a write whose chunk

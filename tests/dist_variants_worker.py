@@ -1,0 +1,79 @@
+"""Worker of tests/test_distributed_variants.py, run under torchrun with 2 gloo ranks.
+
+For every variant and both parallel modes: 3 float64 training steps, each rank on its
+half of the batch, then the whole parameters gathered; rank 0 trains the same model
+on the whole batch in one process and writes the largest differences to argv[1]."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hope
+from hope.model.zoo import VARIANTS
+from hope.optim.outer import build_optimizer
+from hope.train import distributed as d
+from hope.train import state_dicts
+from hope.train.schedule import build_scheduler
+from hope.train.step import train_step
+
+OVERRIDES = ["model.dim=16", "model.n_layers=2", "model.n_heads=2", "tokenizer.vocab_size=64",
+             "model.cms_periods=[4,8]", "model.smt_chunk=2", "model.smt_mem_chunk=4",
+             "model.titans_chunk=4", "model.titans_window=8", "data.seq_len=16",
+             "train.batch_size=4", "optim.warmup_steps=1", "optim.lr=0.01"]  # fmt: skip
+STEPS = 3
+
+
+def batches(cfg: hope.Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        seq = torch.randint(0, 64, (cfg.train.batch_size, cfg.data.seq_len + 1), generator=gen)
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out
+
+
+def train(cfg: hope.Config, env: d.DistEnv, parallel: str) -> tuple[dict, list[float]]:
+    torch.manual_seed(0)
+    model = hope.build_model(cfg.model).double()
+    wrapped = d.wrap(model, env, torch.device("cpu"), parallel)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, STEPS)
+    rows = env.rows(cfg.train.batch_size)
+    losses = []
+    for x, y in batches(cfg):
+        loss = train_step(model, optimizer, scheduler, x[rows], y[rows], 1.0, None, ddp=wrapped)
+        losses.append(float(d.all_reduce_sum(loss.detach().clone(), env)) / env.world_size)
+    params, _ = state_dicts.gather(model, optimizer, by_name=parallel == "fsdp")
+    return params, losses
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    env = d.DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_rank())
+    report = {}
+    for variant in VARIANTS:
+        cfg = hope.load_config(None, [*OVERRIDES, f"model.variant={variant}"])
+        single = train(cfg, d.DistEnv(), "ddp") if env.is_main else None
+        for parallel in ("ddp", "fsdp"):
+            params, losses = train(cfg, env, parallel)
+            if single is not None:
+                ref_params, ref_losses = single
+                report[f"{variant}/{parallel}"] = {
+                    "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+                    "params": max(
+                        float((params[k].double() - v.double()).abs().max())
+                        for k, v in ref_params.items()
+                    ),
+                }
+    if env.is_main:
+        with open(sys.argv[1], "w") as handle:
+            json.dump(report, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
