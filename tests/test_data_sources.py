@@ -321,3 +321,69 @@ def test_stage_writes_raw_outputs(tmp_path: Path) -> None:
     assert manifest["counts"]["read"] == 40
     assert sum(manifest["splits"][s]["documents"] for s in ("train", "val")) == 40
     assert load_config(raw / "config.yaml").data.local_glob == "docs/*.txt"
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_an_interrupted_download_resumes_to_the_uninterrupted_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source that fails after 47 documents (resume points every 10): the rerun cuts
+    the partial files back to the 40-document point, skips what was read and ends
+    byte for byte as a run that was never interrupted; dedup keys survive the resume."""
+    import hope.data.download as download
+
+    texts = [words(i % 60) for i in range(90)]  # 30 duplicates, some after the break
+    cfg = make_cfg(source="builtin", min_chars=1, val_fraction=0.3)
+    monkeypatch.setattr(download, "PROGRESS_EVERY", 10)
+    monkeypatch.setattr(download, "iter_documents", lambda _cfg: iter(texts))
+    whole = run_download(cfg, tmp_path / "whole")
+
+    def failing(_cfg: object) -> object:
+        for i, text in enumerate(texts):
+            if i == 47:
+                raise ConnectionError("the source went away")
+            yield text
+
+    monkeypatch.setattr(download, "iter_documents", failing)
+    with pytest.raises(ConnectionError):
+        run_download(cfg, tmp_path / "raw")
+    progress = json.loads((tmp_path / "raw/.progress.json").read_text())
+    assert progress["counts"]["read"] == 40
+    partial = tmp_path / "raw/.train.jsonl.partial"
+    assert partial.stat().st_size > progress["splits"]["train"]["offset"]  # 7 rows past it
+
+    monkeypatch.setattr(download, "iter_documents", lambda _cfg: iter(texts))
+    resumed = run_download(cfg, tmp_path / "raw")
+    for split in ("train", "val"):
+        assert sha256_file(tmp_path / f"raw/{split}.jsonl") == sha256_file(
+            tmp_path / f"whole/{split}.jsonl"
+        )
+    assert resumed["counts"] == whole["counts"] and resumed["splits"] == whole["splits"]
+    assert resumed["counts"]["dropped_duplicate"] == 30
+    assert sorted(p.name for p in (tmp_path / "raw").iterdir()) == sorted(
+        p.name for p in (tmp_path / "whole").iterdir()
+    )  # no progress or partial file left
+
+
+def test_a_changed_filter_starts_the_download_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hope.data.download as download
+
+    texts = [words(i) for i in range(30)]
+    monkeypatch.setattr(download, "PROGRESS_EVERY", 10)
+
+    def failing(_cfg: object) -> object:
+        yield from texts[:25]
+        raise ConnectionError("gone")
+
+    monkeypatch.setattr(download, "iter_documents", failing)
+    with pytest.raises(ConnectionError):
+        run_download(make_cfg(source="builtin", min_chars=1, val_fraction=0.3), tmp_path / "raw")
+    monkeypatch.setattr(download, "iter_documents", lambda _cfg: iter(texts))
+    other = make_cfg(source="builtin", min_chars=1, val_fraction=0.5)
+    manifest = run_download(other, tmp_path / "raw")
+    assert manifest["counts"]["read"] == 30
+    assert manifest == run_download(other, tmp_path / "fresh") | {"source": manifest["source"]}

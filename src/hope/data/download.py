@@ -14,27 +14,37 @@ One streaming pass over the source (see ``hope.data.sources``):
 
 Outputs (all written atomically): ``train.jsonl``, ``val.jsonl`` (rows
 ``{"text": ...}``), ``manifest.json`` and the resolved ``config.yaml``.
+
+Resume after an interruption (a kill, a lost connection): the split files grow as
+``.<split>.jsonl.partial`` and every ``PROGRESS_EVERY`` documents read, once both are
+flushed to disk, ``.progress.json`` records how many source documents were read, the
+files' lengths and counts, beside the dedup keys (``.seen.npy``). A rerun with the
+same source and filters truncates the partial files to those lengths, skips the
+documents already read and carries on; the result is byte for byte an uninterrupted
+run's (tested). A changed source or filter starts over.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import itertools
 import json
 import logging
 import os
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from hope.config import Config, DataConfig, save_config
 from hope.data.sources import describe_source, iter_documents
 from hope.errors import StageError
-from hope.io import atomic_write_json, remove_stale_temps
+from hope.io import atomic_write, atomic_write_json, remove_stale_temps
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val")
@@ -46,20 +56,41 @@ def is_val_document(text: str, split_seed: int, val_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2.0**64 < val_fraction
 
 
+PROGRESS_EVERY = 100_000  # source documents between resume points
+PROGRESS = ".progress.json"
+SEEN = ".seen.npy"
+
+
 class _AtomicJsonl:
-    """A JSONL file written to a temp name and renamed into place on success.
+    """A JSONL file written to ``.<name>.partial`` and renamed into place on success.
 
     Tracks rows, characters, utf-8 bytes of the texts and the file's sha256.
+    ``resume``: the counts of a resume point; the partial file is cut to its length.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resume: dict[str, int] | None = None) -> None:
         self.path = path
         remove_stale_temps(path)
-        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        self.tmp = Path(name)
-        self.handle: io.BufferedWriter = os.fdopen(fd, "wb")
+        self.tmp = path.with_name(f".{path.name}.partial")
         self.digest = hashlib.sha256()
         self.documents = self.chars = self.bytes = 0
+        if resume is None:
+            self.handle: io.BufferedRandom = open(self.tmp, "w+b")  # noqa: SIM115
+            return
+        self.handle = open(self.tmp, "r+b")  # noqa: SIM115  (held until commit/abort)
+        self.handle.truncate(resume["offset"])
+        while block := self.handle.read(1 << 20):
+            self.digest.update(block)
+        self.documents, self.chars, self.bytes = (
+            resume["documents"], resume["chars"], resume["bytes"]
+        )  # fmt: skip
+
+    def mark(self) -> dict[str, int]:
+        """Flush to disk; the counts a resume starts from."""
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        return {"offset": self.handle.tell(), "documents": self.documents,
+                "chars": self.chars, "bytes": self.bytes}  # fmt: skip
 
     def write(self, text: str) -> None:
         line = (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8")
@@ -83,16 +114,20 @@ class _AtomicJsonl:
             "sha256": self.digest.hexdigest(),
         }
 
-    def abort(self) -> None:
+    def close(self) -> None:
         self.handle.close()
-        self.tmp.unlink(missing_ok=True)
 
 
 class _SplitWriter:
-    """Both split files; all renamed into place only if the whole pass succeeds."""
+    """Both split files; all renamed into place only if the whole pass succeeds. On
+    failure the partial files stay for a resume (``.progress.json`` says how much of
+    them counts)."""
 
-    def __init__(self, out_dir: Path) -> None:
-        self.files = {split: _AtomicJsonl(out_dir / f"{split}.jsonl") for split in SPLITS}
+    def __init__(self, out_dir: Path, resume: dict[str, Any] | None) -> None:
+        self.files = {
+            split: _AtomicJsonl(out_dir / f"{split}.jsonl", resume and resume["splits"][split])
+            for split in SPLITS
+        }
 
     def __enter__(self) -> dict[str, _AtomicJsonl]:
         return self.files
@@ -102,16 +137,62 @@ class _SplitWriter:
     ) -> None:
         if kind is not None:
             for f in self.files.values():
-                f.abort()
+                f.close()
+
+
+def _resume_key(cfg: DataConfig) -> str:
+    """What the partial files depend on: the source and the filters."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "seq_len"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_progress(out_dir: Path, key: str) -> dict[str, Any] | None:
+    """The resume point of an interrupted run of the same source and filters."""
+    path = out_dir / PROGRESS
+    partials = [out_dir / f".{split}.jsonl.partial" for split in SPLITS]
+    if not path.is_file() or not all(p.is_file() for p in partials):
+        return None
+    progress = json.loads(path.read_text())
+    if progress.get("key") != key:
+        log.info("download: source or filters changed since the interrupted run; starting over")
+        return None
+    short = [
+        s for s, p in zip(SPLITS, partials, strict=True)
+        if p.stat().st_size < progress["splits"][s]["offset"]
+    ]  # fmt: skip
+    if short:
+        log.warning("download: a partial file is shorter than its resume point; starting over")
+        return None
+    return progress
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as handle:  # a handle: np.save would add ".npy" to a name
+        np.save(handle, array)
+
+
+def _save_progress(
+    out_dir: Path, key: str, counts: dict[str, int], files: dict[str, _AtomicJsonl],
+    seen: set[bytes],
+) -> None:  # fmt: skip
+    splits = {split: f.mark() for split, f in files.items()}  # on disk before the record
+    keys = np.frombuffer(b"".join(sorted(seen)), dtype="V16") if seen else np.empty(0, "V16")
+    atomic_write(out_dir / SEEN, lambda tmp: _save_array(tmp, keys))
+    progress = {"key": key, "counts": counts, "splits": splits}
+    atomic_write_json(out_dir / PROGRESS, progress)
 
 
 def _filter_and_split(
-    cfg: DataConfig, files: dict[str, _AtomicJsonl], counts: dict[str, int]
+    cfg: DataConfig,
+    files: dict[str, _AtomicJsonl],
+    counts: dict[str, int],
+    seen: set[bytes],
+    checkpoint: Callable[[], None],
 ) -> None:
-    seen: set[bytes] = set()
     documents = iter_documents(cfg)
     if cfg.max_documents > 0:
         documents = itertools.islice(documents, cfg.max_documents)
+    documents = itertools.islice(documents, counts["read"], None)  # resumed: read already
     for raw in documents:
         counts["read"] += 1
         text = raw.strip()
@@ -130,7 +211,8 @@ def _filter_and_split(
             seen.add(key)
         split = "val" if is_val_document(text, cfg.split_seed, cfg.val_fraction) else "train"
         files[split].write(text)
-        if counts["read"] % 100_000 == 0:
+        if counts["read"] % PROGRESS_EVERY == 0:
+            checkpoint()
             log.info("read %d documents", counts["read"])
 
 
@@ -140,9 +222,18 @@ def run_download(cfg: Config, out_dir: Path) -> dict[str, Any]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    key = _resume_key(data)
+    resume = _read_progress(out_dir, key)
     counts = dict.fromkeys(("read", "dropped_short", "dropped_long", "dropped_duplicate"), 0)
-    with _SplitWriter(out_dir) as files:
-        _filter_and_split(data, files, counts)
+    seen: set[bytes] = set()
+    if resume is not None:
+        counts = resume["counts"]
+        seen = {bytes(k) for k in np.load(out_dir / SEEN)} if (out_dir / SEEN).is_file() else seen
+        log.info("download: resuming after %d documents read", counts["read"])
+    with _SplitWriter(out_dir, resume) as files:
+        _filter_and_split(
+            data, files, counts, seen, lambda: _save_progress(out_dir, key, counts, files, seen)
+        )
         if files["train"].documents == 0:
             raise StageError(
                 f"data.source={data.source}: no training documents left after filtering "
@@ -154,6 +245,8 @@ def run_download(cfg: Config, out_dir: Path) -> dict[str, Any]:
                 f"({files['train'].documents} documents in all); raise it or add data"
             )
         splits = {split: f.commit() for split, f in files.items()}
+    for done in (PROGRESS, SEEN):
+        (out_dir / done).unlink(missing_ok=True)
     manifest = {
         "source": describe_source(data),
         "filters": {
