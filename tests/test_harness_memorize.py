@@ -118,3 +118,17 @@ def test_stage_puts_adaptive_numbers_beside_the_plain_ones(
     bad = stage_argv(*sets, "memorize.use_correct_answer=false", "memorize.layers=[7]")
     assert load_stage("zeroshot").main_with(bad) == 2
     assert "memorize.layers: 7 is not a block" in capsys.readouterr().err
+
+
+def test_side_by_side_puts_adaptive_and_delta_beside_each_number() -> None:
+    from hope.eval.memorizing import side_by_side
+
+    row = side_by_side(
+        {"acc": 0.5, "acc_stderr": 0.1, "n": 8, "loss": None},
+        {"acc": 0.75, "acc_stderr": 0.12, "n": 8, "loss": 2.0},
+    )
+    assert row == {
+        "acc": 0.5, "acc_stderr": 0.1, "n": 8, "loss": None,
+        "adaptive_acc": 0.75, "delta_acc": 0.25, "adaptive_acc_stderr": 0.12,
+        "adaptive_n": 8, "adaptive_loss": 2.0, "delta_loss": None,
+    }  # fmt: skip

@@ -70,7 +70,7 @@ def side_by_side(plain: Mapping[str, Any], adaptive: Mapping[str, Any]) -> dict[
     for key, value in adaptive.items():
         row[f"adaptive_{key}"] = value
         base = plain.get(key)
-        if key == "n" or key.endswith("_stderr") or key.startswith("ci"):
+        if key == "n" or key.endswith("_stderr"):
             continue
         if isinstance(value, int | float) and isinstance(base, int | float):
             row[f"delta_{key}"] = value - base
