@@ -18,6 +18,7 @@ the last boundary and re-reads the tokens since (at most ``titans_chunk`` - 1).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,22 +210,35 @@ class Score:
         return dict(self.__dict__)
 
 
+# (window tokens [B, W], state before the window, its targets [B, W]) -> next state
+Carry = Callable[[torch.Tensor, LMState | None, torch.Tensor], LMState]
+
+
 @torch.no_grad()
 def position_losses(
-    model: LanguageModel, tokens: torch.Tensor, window: int, stream: bool = False
+    model: LanguageModel,
+    tokens: torch.Tensor,
+    window: int,
+    stream: bool = False,
+    carry: Carry | None = None,
 ) -> torch.Tensor:
     """Next-token CE (nats, float64) at every position of ``tokens`` [B, T] but the
     last: [B, T - 1], on the device (no host read). Read through ``forward_teach`` (as
     the model trains and is evaluated) in windows of ``window`` tokens: each a fresh
     context (default), or ``stream``: one context carried across the windows, so a
-    position's loss sees everything before it (long context, test-time learning)."""
+    position's loss sees everything before it (long context, test-time learning).
+    ``carry(window_tokens, state_before, targets)``: with ``stream``, the state the next
+    window starts from (default: the read's own), e.g. the window memorised again."""
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
     losses = []
-    state = None
+    state: LMState | None = None
     for start in range(0, tokens.shape[1], window):
         span = slice(start, start + window)
+        before = state
         logits, state = model.forward_teach(tokens[:, span], targets[:, span], state)
+        if stream and carry is not None:
+            state = carry(tokens[:, span], before, targets[:, span])
         state = state if stream else None
         ce = F.cross_entropy(
             logits.double().transpose(1, 2), targets[:, span],

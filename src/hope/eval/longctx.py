@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hope.config import LongctxConfig, MemorizeParams, TrainConfig
 from hope.errors import ConfigError, StageError
 from hope.eval.memorizing import memorize_config, side_by_side
 from hope.model.lm import LanguageModel, LMState
-from hope.model.memorize import IGNORE_INDEX, MemorizeConfig, memorize
+from hope.model.memorize import MemorizeConfig, memorize
 
 log = logging.getLogger("hope.eval")
 
@@ -113,26 +112,14 @@ def memorised_position_losses(
     next window is the one ``memorize`` leaves after writing the window just read
     (``mem``, in online chunks of ``window``; its last target is the next window's
     first token, as in the plain read)."""
+    from hope.infer import position_losses
+
     mem = dataclasses.replace(mem, online_chunk_size=window, reset="carry_across_samples")
-    targets = torch.full_like(tokens, IGNORE_INDEX)
-    targets[:, :-1] = tokens[:, 1:]
-    losses = []
-    state: LMState | None = None
-    for start in range(0, tokens.shape[1], window):
-        span = slice(start, start + window)
-        logits, _ = model.forward_teach(tokens[:, span], targets[:, span], state)
-        losses.append(
-            F.cross_entropy(
-                logits.double().transpose(1, 2),
-                targets[:, span],
-                ignore_index=IGNORE_INDEX,
-                reduction="none",
-            )  # fmt: skip
-        )
-        after = start + window
-        following = tokens[:, after] if after < tokens.shape[1] else None
-        state = memorize(model, tokens[:, span], state, mem, following=following)
-    return torch.cat(losses, dim=1)[:, :-1]
+
+    def carry(span: torch.Tensor, before: LMState | None, targets: torch.Tensor) -> LMState:
+        return memorize(model, span, before, mem, following=targets[:, -1])
+
+    return position_losses(model, tokens, window, stream=True, carry=carry)
 
 
 def adaptive_config(
