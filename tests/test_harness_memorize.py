@@ -114,6 +114,10 @@ def test_stage_puts_adaptive_numbers_beside_the_plain_ones(
     assert not any(k.startswith("adaptive_") for k in metrics["hope_rolling"])  # plain only
     meta = json.loads(Path("reports/zeroshot_meta.json").read_text())
     assert meta["memorize"]["steps"] == 2
+    rolling = stage_argv(*sets, "zeroshot.tasks=[hope_rolling]")  # nothing to adapt
+    assert load_stage("zeroshot").main_with(rolling) == 0
+    only = json.loads(Path("reports/zeroshot.json").read_text())["hope_rolling"]
+    assert not any(k.startswith("adaptive_") for k in only)
     capsys.readouterr()
     bad = stage_argv(*sets, "memorize.use_correct_answer=false", "memorize.layers=[7]")
     assert load_stage("zeroshot").main_with(bad) == 2

@@ -171,7 +171,10 @@ def run_zeroshot(
         tasks = leaf_tasks(list(zs.tasks), manager)
         model.memorize, model.answer_of = mem, answer_checker(tasks)
         model.use_correct_answer = cfg.memorize.use_correct_answer
-        again = evaluate([n for n, t in tasks.items() if t.OUTPUT_TYPE in ADAPTIVE_TYPES])
+        adaptive = [n for n, t in tasks.items() if t.OUTPUT_TYPE in ADAPTIVE_TYPES]
+        if not adaptive:  # rolling perplexity or generation only: nothing adaptive
+            log.warning("zeroshot.memorize: no cloze or multiple-choice task to score")
+        again = evaluate(adaptive) if adaptive else {"results": {}, "n-samples": {}}
         for task, row in flatten_results(again["results"], again["n-samples"]).items():
             metrics[task] = side_by_side(metrics.get(task, {}), row)
     records = {
