@@ -9,6 +9,7 @@ end-to-end pipeline tests share one `dvc repro` (the `dvc_repo` fixture).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -47,7 +48,8 @@ CI_RUN = {
     ("bench", "warmup"): 1,
     ("bench", "steps"): 2,
     ("bench", "num_threads"): 1,
-    ("bench", "project_presets"): ["pilot"],
+    # The projection has its own tests (test_projection.py, test_bench.py).
+    ("bench", "project_presets"): [],
     ("recall", "variants"): ["transformer", "hope"],
     ("recall", "steps"): 4,
     ("recall", "batch_size"): 4,
@@ -83,6 +85,21 @@ def _one_thread_per_worker() -> Iterator[None]:
 CLASSIC_SHELL = ("model.final_norm=true", "model.embed_init_std=null")
 
 TINY_VOCAB = 64
+
+
+@pytest.fixture
+def compile_without_codegen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory backend "compile" traced and differentiated as ``torch.compile`` does
+    (dynamo, AOT autograd), but run without inductor's C++ code generation, which costs
+    minutes per set of graphs on 2 cores. For tests of what the compiled path runs and
+    where it is reached; inductor's own kernels are checked once per memory
+    (test_smt.py, test_titans_memory.py)."""
+    from hope.memory.ops import dispatch
+
+    def traced(fn: Any) -> Any:
+        return torch.compile(fn, dynamic=False, backend="aot_eager")
+
+    monkeypatch.setattr(dispatch, "_compiled", functools.cache(traced))
 
 
 def tiny_lm(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:
