@@ -15,6 +15,7 @@ configfile: "params.yaml"
 
 sys.path.insert(0, "src")
 from hope.config import load_config  # noqa: E402
+from hope.train.launch import slurm_resources, srun_prefix  # noqa: E402
 
 CFG = load_config("params.yaml")
 PRESET = f"configs/presets/{config['preset']}.yaml"
@@ -85,9 +86,17 @@ rule train:
         "reports/train.json",
         "reports/train_meta.json",
         "reports/train_log.tsv",
-    threads: CFG.train.num_threads
+    # Every local rank pins torch to train.num_threads.
+    threads: CFG.train.num_threads * CFG.train.nproc_per_node
+    # GPUs and nodes from params (hope.train.launch.slurm_resources): nproc_per_node
+    # GPUs on each of train.nnodes nodes; several nodes run one task per node, each
+    # starting torchrun, meeting at a rendezvous on the first node.
+    resources:
+        **slurm_resources(CFG),
+    params:
+        launch=srun_prefix(CFG),
     shell:
-        "python stages/train.py"
+        "{params.launch}python stages/train.py"
 
 
 rule eval:

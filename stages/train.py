@@ -25,7 +25,8 @@ REPORT_DIR = Path("reports")
 
 
 def main(cfg: Config, args: argparse.Namespace) -> None:
-    from hope.train.distributed import from_environment, relaunch_command
+    from hope.train.distributed import from_environment
+    from hope.train.launch import relaunch_command
     from hope.train.loop import train
 
     command = relaunch_command(cfg, sys.argv)

@@ -16,6 +16,7 @@ import pytest
 import hope
 from hope.errors import ConfigError
 from hope.train import distributed as d
+from hope.train import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,17 +96,61 @@ def test_uneven_batches_and_micro_batches_are_refused() -> None:
 def test_the_stage_relaunches_itself_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = hope.load_config(None, ["train.nproc_per_node=2"])
-    command = d.relaunch_command(cfg, ["stages/train.py", "--set", "train.nproc_per_node=2"])
+    command = launch.relaunch_command(cfg, ["stages/train.py", "--set", "train.nproc_per_node=2"])
     assert command is not None
     assert command[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
     assert command[-3:] == ["stages/train.py", "--set", "train.nproc_per_node=2"]
-    assert d.relaunch_command(hope.load_config(None, []), ["x"]) is None
-    monkeypatch.setenv("WORLD_SIZE", "2")  # already under torchrun: join, do not relaunch
-    assert d.relaunch_command(cfg, ["x"]) is None
-    monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.delenv("HOPE_RDZV_ENDPOINT", raising=False)
+    assert launch.relaunch_command(hope.load_config(None, []), ["x"]) is None
+    # already under torchrun: join, do not relaunch
+    assert launch.relaunch_command(cfg, ["x"], {"WORLD_SIZE": "2"}) is None
+
+
+FAKE_SLURM = ROOT / "tests" / "fake_slurm"
+
+
+def test_several_nodes_meet_at_the_first_node_of_the_job(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """train.nnodes=2: torchrun with a c10d rendezvous on the allocation's first node
+    (scontrol expands the node list), keyed by the job id; HOPE_RDZV_ENDPOINT wins;
+    with neither, the error says what to set."""
+    monkeypatch.setenv("PATH", f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_LOG", str(tmp_path / "log"))
+    monkeypatch.setenv("FAKE_SLURM_STATE", str(tmp_path / "state"))
+    cfg = hope.load_config(None, ["train.nnodes=2", "train.nproc_per_node=4"])
+    job = {"SLURM_JOB_ID": "4321", "SLURM_JOB_NODELIST": "gpu07,gpu08"}
+    command = launch.relaunch_command(cfg, ["stages/train.py"], job)
+    assert command is not None and command[-1] == "stages/train.py"
+    assert command[3:8] == [
+        "--nproc_per_node=4", "--nnodes=2", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=gpu07:29821", "--rdzv_id=4321",
+    ]  # fmt: skip
+    assert launch.rendezvous(2, {**job, "HOPE_RDZV_PORT": "6000"}) == ("gpu07:6000", "4321")
+    assert launch.rendezvous(2, {**job, "HOPE_RDZV_ENDPOINT": "head:1234"}) == (
+        "head:1234",
+        "4321",
+    )
     with pytest.raises(ConfigError, match="HOPE_RDZV_ENDPOINT"):
-        d.relaunch_command(hope.load_config(None, ["train.nnodes=2"]), ["x"])
+        launch.relaunch_command(cfg, ["x"], {})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol
+    with pytest.raises(ConfigError, match="scontrol show hostnames"):
+        launch.rendezvous(2, job)
+
+
+def test_the_train_rule_asks_slurm_for_params_nodes_and_gpus() -> None:
+    def resources(*sets: str) -> tuple[dict[str, int | str], str]:
+        cfg = hope.load_config(None, list(sets))
+        return launch.slurm_resources(cfg), launch.srun_prefix(cfg)
+
+    assert resources() == ({}, "")  # tiny: one CPU process
+    assert resources("train.device=cuda") == ({"gpu": 1}, "")
+    assert resources("train.device=auto", "train.nproc_per_node=8") == ({"gpu": 8}, "")
+    two_nodes = {"nodes": 2, "tasks": 2, "mpi": "srun", "tasks_per_gpu": 0}
+    assert resources("train.device=cuda", "train.nproc_per_node=8", "train.nnodes=2") == (
+        {**two_nodes, "gres": "gpu:8"},
+        "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 ",
+    )
+    assert resources("train.nnodes=2")[0] == two_nodes
 
 
 LONG = ("train.steps=30", "train.checkpoint_every=5", "train.keep_checkpoints=20")

@@ -19,6 +19,7 @@ from hope.train.plan import (
     _fit,
     main,
     make_plan,
+    measure,
     saved_bytes,
 )
 
@@ -59,6 +60,23 @@ def test_fit_is_exact_on_a_line_and_plan_picks_the_largest_fitting_divisor() -> 
     sharded = make_plan(cfg, acts, memory, gpus=2, fsdp=True)
     assert sharded.state_gib == pytest.approx(plan.state_gib / 2)
     assert make_plan(cfg, acts, 0.1, gpus=2, fsdp=False).micro_batch is None
+
+
+def test_checkpointed_blocks_keep_their_inputs_and_rerun_one_block() -> None:
+    """model.checkpoint_blocks: what a layer keeps is far less than its activations, and
+    the plan adds one block's whole activations (the rerun) once, whatever the depth."""
+    lengths = (16, 32, 64)
+    plain_cfg = load_config(None, ["preset=tiny"])
+    ckpt_cfg = load_config(None, ["preset=tiny", "model.checkpoint_blocks=true"])
+    plain, ckpt = measure(plain_cfg, lengths, None), measure(ckpt_cfg, lengths, None)
+    assert plain.recompute is None and ckpt.recompute is not None
+    assert ckpt.layer(512) < 0.2 * plain.layer(512)
+    assert ckpt.recompute(512) == pytest.approx(plain.layer(512))
+    for depth in (2, 12):
+        assert ckpt.per_row(512, depth) == pytest.approx(
+            ckpt.shell(512) + depth * ckpt.layer(512) + plain.layer(512)
+        )
+    assert ckpt.per_row(512, 12) < 0.3 * plain.per_row(512, 12)
 
 
 def test_command_plans_tiny_and_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:

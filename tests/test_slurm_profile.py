@@ -11,19 +11,23 @@ cluster.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import ROOT, copy_repo, pipeline_env, set_params
+from conftest import ROOT, copy_repo, pipeline_env, run, set_params
 from hope.config import load_config
+from hope.train.launch import slurm_resources
 
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 PROFILE = ROOT / "configs" / "slurm" / "config.yaml"
@@ -93,10 +97,13 @@ def _expected_resources(rule: str, repo: Path) -> dict[str, object]:
     resources.update(profile.get("set-resources", {}).get(rule, {}))
     assert "cpus_per_task" not in resources, "CPUs must follow the params' thread counts"
     cfg = load_config(repo / "params.yaml")
+    if rule == "train":  # GPUs and nodes come from params, not from the profile
+        assert "gpu" not in resources and "nodes" not in resources
+        resources.update(slurm_resources(cfg))
     threads = {
         "tokenizer": cfg.tokenizer.num_threads,
         "shard": cfg.tokenizer.num_threads,
-        "train": cfg.train.num_threads,
+        "train": cfg.train.num_threads * cfg.train.nproc_per_node,
         "eval": cfg.train.num_threads,
         "bench": cfg.bench.num_threads,
         "recall": cfg.recall.num_threads,
@@ -143,7 +150,9 @@ def _stop_leftover_jobs(state: Path) -> None:
                 os.killpg(int(pid), signal.SIGKILL)
 
 
-def _run_snakemake(repo: Path, log: Path, state: Path) -> subprocess.CompletedProcess[str]:
+def _run_snakemake(
+    repo: Path, log: Path, state: Path, *targets: str
+) -> subprocess.CompletedProcess[str]:
     env = pipeline_env(repo)
     env.update(
         PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
@@ -155,7 +164,7 @@ def _run_snakemake(repo: Path, log: Path, state: Path) -> subprocess.CompletedPr
     for var in [v for v in env if v.startswith("SLURM_")]:
         del env[var]
     proc = subprocess.Popen(
-        COMMAND,
+        [*COMMAND, *targets],
         cwd=repo,
         env=env,
         text=True,
@@ -245,7 +254,8 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
         gpu = expected.get("gpu")
         assert options.get("--gpus") == (str(gpu) if gpu else None), rule
         assert "--gres" not in options, rule
-    assert by_rule["train"][0]["--gpus"] == "1" and by_rule["eval"][0]["--gpus"] == "1"
+    # The tiny preset trains on the CPU (train.device=cpu): its train job holds no GPU.
+    assert "--gpus" not in by_rule["train"][0] and by_rule["eval"][0]["--gpus"] == "1"
     for cpu_rule in ("download", "tokenizer", "shard"):
         assert "--gpus" not in by_rule[cpu_rule][0]
 
@@ -263,3 +273,36 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     assert any(argv[argv.index("--name") + 1] in run_ids for argv in polls if "--name" in argv)
     states = [f.read_text().split("|")[1] for f in state.glob("*.state")]
     assert states == ["COMPLETED"] * len(rules)
+
+
+@pytest.mark.slow
+def test_slurm_profile_trains_on_two_nodes(tmp_path: Path) -> None:
+    """train.nnodes=2 through the profile (the README's multi-node command): one job
+    over 2 nodes with one task each; the rule's own srun starts the stage once per
+    node, each copy starts torchrun with its local rank and they meet at the first
+    node (`scontrol show hostnames`). The 2 ranks train what one process trains on the
+    same global batch."""
+    repo = copy_repo(tmp_path / "repo")
+    set_params(repo, {**SMALL_RUN, ("train", "nnodes"): 2})
+    log, state = tmp_path / "fake_slurm.log", tmp_path / "fake_slurm_state"
+    print(_run_snakemake(repo, log, state, "reports/train.json").stdout[-3000:])
+
+    jobs = [_options(argv) for argv in _calls(log, "sbatch")]
+    train_job = next(job for job in jobs if job["--comment"] == "rule_train")
+    assert train_job["--nodes"] == "2" and train_job["--ntasks"] == "2", train_job
+    assert "--gpus" not in train_job and "--ntasks-per-gpu" not in train_job
+    launches = [argv for argv in _calls(log, "srun") if "--ntasks-per-node=1" in argv]
+    assert len(launches) == 1 and "--nodes=2" in launches[0], launches
+    assert launches[0][-2:] == ["python", "stages/train.py"], launches
+    assert ["show", "hostnames", "127.0.0.1,127.0.0.2"] in _calls(log, "scontrol")
+    meta = json.loads((repo / "reports/train_meta.json").read_text())
+    assert meta["runtime"]["world_size"] == 2
+
+    single = tmp_path / "single"
+    shutil.copytree(repo, single, ignore=shutil.ignore_patterns("models", "reports", ".snakemake"))
+    run([sys.executable, "stages/train.py", "--set", "train.nnodes=1"], single)
+    ours = json.loads((repo / "reports/train.json").read_text())
+    one = json.loads((single / "reports/train.json").read_text())
+    assert ours["tokens_seen"] == one["tokens_seen"]
+    for key in ("train_loss", "val_loss"):
+        assert ours[key] == pytest.approx(one[key], rel=1e-5), key

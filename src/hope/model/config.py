@@ -53,6 +53,10 @@ class ModelConfig:
     final_norm: bool = False
     # Std of the (tied) embedding init; None = init_std.
     embed_init_std: float | None = 0.5
+    # Activation checkpointing per block (training with grad only): each block keeps
+    # its input and recomputes its activations in backward, for about one more forward
+    # (HOPE: of both teach passes). The same values and gradients (tests).
+    checkpoint_blocks: bool = False
 
     # Continuum Memory System (NL §3, eqs. 30-31). Periods in tokens, each a
     # multiple of the first; the MLP budget mlp_ratio*dim is split across levels.

@@ -8,12 +8,14 @@ Blocks follow one contract: ``init_state(batch_size, device) -> state`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hope.layers import RMSNorm
 from hope.memory.fast_state import restore_state
@@ -29,6 +31,9 @@ class LMState:
 
     blocks: list[Any]
     pos: int = 0
+
+
+_Out = TypeVar("_Out")
 
 
 class LanguageModel(nn.Module):
@@ -103,9 +108,17 @@ class LanguageModel(nn.Module):
         x = self.embed(tokens)  # [B, T, d]
         new_states = []
         for block, block_state in zip(self.blocks, state.blocks, strict=True):
-            x, block_state = block(x, block_state, state.pos)
+            x, block_state = self.run_block(block, x, block_state, state.pos)
             new_states.append(block_state)
         return self.logits(x), LMState(new_states, state.pos + tokens.shape[1])
+
+    def run_block(self, fn: Callable[..., _Out], *args: Any) -> _Out:
+        """``fn(*args)``: one block's work. With ``model.checkpoint_blocks`` in training
+        (grad enabled, train mode) only its inputs are kept for backward, which reruns
+        it (``torch.utils.checkpoint``, non-reentrant: autocast and RNG replayed)."""
+        if self.cfg.checkpoint_blocks and self.training and torch.is_grad_enabled():
+            return cast(_Out, checkpoint(fn, *args, use_reentrant=False))
+        return fn(*args)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -48,7 +48,7 @@ from hope.memory.pieces import PieceGrid
 from hope.model.lm import LMState
 
 if TYPE_CHECKING:
-    from hope.model.hope import HopeLM
+    from hope.model.hope import HopeBlock, HopeLM
 
 IGNORE_INDEX = -100
 
@@ -162,10 +162,8 @@ def teach_signal(
         x = first_mixed.detach().requires_grad_(True)
         outputs: list[Tensor] = []
         for i, (block, block_state) in enumerate(zip(blocks, state.blocks, strict=True)):
-            if i > 0:
-                x, _ = block.mix_pieces(x, block_state.mixer, state.pos, pieces)
-            x, taps = block.cms.read(x, block_state.cms)  # θ0 + Δ_s, no writes
-            outputs.extend(tap.output for tap in taps)
+            x, taps = model.run_block(_pass_a_layer, block, x, block_state, state.pos, pieces, i)
+            outputs.extend(taps)
         normed = model.norm(x)
         head = head_signal(model, normed, targets)
         grads = torch.autograd.grad(normed, outputs, grad_outputs=head.grad)
@@ -173,6 +171,34 @@ def teach_signal(
     flat = [g.to(_teach_dtype(g.dtype)) for g in grads]
     deltas = [flat[i : i + n_levels] for i in range(0, len(flat), n_levels)]
     return TeachSignal(deltas, head.token_loss, head.token_entropy)
+
+
+def _pass_a_layer(
+    block: HopeBlock, x: Tensor, state: Any, pos: int, pieces: PieceGrid, index: int
+) -> tuple[Tensor, list[Tensor]]:
+    """One layer of pass A: its mixer in detached pieces (the first layer's is already
+    applied), then every CMS level reads θ0 + Δ_s without writing; returns the level
+    outputs (the taps δ is taken at)."""
+    if index > 0:
+        x, _ = block.mix_pieces(x, state.mixer, pos, pieces)
+    x, taps = block.cms.read(x, state.cms)
+    return x, [tap.output for tap in taps]
+
+
+def _pass_b_layer(
+    block: HopeBlock,
+    x: Tensor,
+    state: Any,
+    teaches: list[Tensor],
+    pos: int,
+    mixed: tuple[Tensor, Any] | None,
+    surprise: dict[str, Any],
+) -> tuple[Tensor, Any]:
+    """One layer of pass B: mix (or take the given mixing), then the CMS writes with
+    the layer's δ and reads θ0 + sg(Δ_n) per chunk."""
+    x, mixer_state = block.mix(x, state.mixer, pos) if mixed is None else mixed
+    x, cms_state = block.cms.teach_forward(x, teaches, state.cms, **surprise)
+    return x, dataclasses.replace(state, mixer=mixer_state, cms=cms_state)
 
 
 def teach_forward(
@@ -187,17 +213,15 @@ def teach_forward(
     ``first``: the first layer's (mixed x, mixer state), already computed."""
     x = model.embed(tokens)  # [B, T, d]
     new_states = []
+    surprise = signal.surprise_kwargs()
     for i, (block, block_state, teaches) in enumerate(
         zip(model.hope_blocks(), state.blocks, signal.deltas, strict=True)
     ):
-        if i == 0 and first is not None:
-            x, mixer_state = first
-        else:
-            x, mixer_state = block.mix(x, block_state.mixer, state.pos)
-        x, cms_state = block.cms.teach_forward(
-            x, teaches, block_state.cms, **signal.surprise_kwargs()
+        mixed = first if i == 0 else None
+        x, block_state = model.run_block(
+            _pass_b_layer, block, x, block_state, teaches, state.pos, mixed, surprise
         )
-        new_states.append(dataclasses.replace(block_state, mixer=mixer_state, cms=cms_state))
+        new_states.append(block_state)
     return model.logits(x), LMState(new_states, state.pos + tokens.shape[1])
 
 
@@ -210,7 +234,7 @@ def teach_pass_forward(
     a call δ comes from the call-start weights, not from the Δ_n written so far; a
     call of one C1 piece is exactly the online oracle (``exact_online``)."""
     block, block_state = model.hope_blocks()[0], state.blocks[0]
-    first = block.mix(model.embed(tokens), block_state.mixer, state.pos)
+    first = model.run_block(block.mix, model.embed(tokens), block_state.mixer, state.pos)
     signal = teach_signal(model, tokens, targets, state, first_mixed=first[0])
     return teach_forward(model, tokens, signal, state, first=first)
 

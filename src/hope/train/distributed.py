@@ -7,9 +7,9 @@ at step s is the same token rows whatever the world size or micro-batch size
 (batches are a pure function of ``(train.seed, step)``; each rank takes its rows).
 
 ``python stages/train.py`` with ``train.nproc_per_node > 1`` re-launches itself through
-``torch.distributed.run`` (``relaunch_command``); under an existing torchrun (or
-SLURM + torchrun) environment — ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` — it joins
-the process group instead. Rank 0 alone writes checkpoints and reports.
+``torch.distributed.run`` (``hope.train.launch``: one node, or one copy per node meeting
+at a rendezvous); under an existing torchrun environment — ``WORLD_SIZE``, ``RANK``,
+``LOCAL_RANK`` — it joins the process group instead. Rank 0 alone writes checkpoints and reports.
 
 ``train.parallel=fsdp``: FSDP2 (``fully_shard``) instead of DDP. Parameters,
 gradients and AdamW state are sharded over the ranks at rest; the whole model is one
@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -85,26 +84,6 @@ def check_world(cfg: Config, env: DistEnv) -> None:
             f"train.micro_batch_size={micro} exceeds the {batch // env.world_size} rows per "
             f"rank (train.batch_size={batch} over {env.world_size} processes)"
         )
-
-
-def relaunch_command(cfg: Config, argv: Sequence[str]) -> list[str] | None:
-    """The torchrun command that runs this stage on ``train.nproc_per_node`` processes
-    (per node, ``train.nnodes`` nodes), or None when it should run in this process."""
-    nproc, nnodes = cfg.train.nproc_per_node, cfg.train.nnodes
-    if (nproc == 1 and nnodes == 1) or "WORLD_SIZE" in os.environ:
-        return None
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    if nnodes == 1:
-        command.append("--standalone")
-    else:  # rendezvous from the scheduler's environment (configs/slurm sets these)
-        endpoint = os.environ.get("HOPE_RDZV_ENDPOINT")
-        if not endpoint:
-            raise ConfigError(
-                f"train.nnodes={nnodes} needs HOPE_RDZV_ENDPOINT=host:port (the rendezvous "
-                "of torch.distributed.run; configs/slurm sets it from the first node)"
-            )
-        command += [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}"]
-    return [*command, *argv]
 
 
 def device_for(env: DistEnv, device: torch.device) -> torch.device:

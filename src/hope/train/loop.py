@@ -352,7 +352,10 @@ class Trainer:
             "params": self.model.num_parameters(),
             "nan_skipped_steps": self.skipped,
             "nan_rewinds": self.rewinds,
-            "runtime": runtime_record(self.cfg.train, self.device),
+            "runtime": {
+                **runtime_record(self.cfg.train, self.device),
+                "world_size": self.env.world_size,
+            },  # fmt: skip
         }
 
     def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -3,17 +3,21 @@
     python -m hope.train.plan --preset pilot --gpu-mem-gb 80 --gpus 8
 
 Method (docs/SCALING.md). What a training step keeps for backward is counted exactly
-by ``torch.autograd.graph.saved_tensors_hooks`` around ``training_loss`` (unique
-storages, parameters excluded), at the preset's own width and chunking, in its
-precision (CPU autocast for bf16), with one and two layers and two short lengths,
-batch 1. Per-layer bytes = two layers - one layer; the shell (embedding, logits,
-loss) = one layer - per layer; each fitted as a + b·T and extrapolated to the
-preset's context and depth. A third, longer length is predicted before it is
-measured: that error is the plan's error bar. Model state per GPU: fp32 weights,
-gradients and AdamW's two moments, 16 bytes per parameter (divided over the GPUs
-under FSDP). Peak = state + micro-batch x activations per row, times a 1.2 margin
-for the backward's transient gradients and allocator fragmentation (an assumption,
-stated, until a GPU measures it: scripts/gpu_check.sh).
+by ``torch.autograd.graph.saved_tensors_hooks`` around ``training_loss``: the peak
+of the storages held for backward (each once, while held: HOPE's teach pass A frees
+its graph before pass B builds one; parameters excluded), at the preset's own width
+and chunking, in its precision (CPU autocast for bf16), with one and two layers and
+two short lengths, batch 1. Per-layer bytes = two layers - one layer; the shell
+(embedding, logits, loss) = one layer - per layer; each fitted as a + b·T and
+extrapolated to the preset's context and depth. With ``model.checkpoint_blocks`` the
+same count gives what each block keeps (its inputs); backward then reruns one block
+at a time, so one block's whole activations (fitted the same way with checkpointing
+off) are added once. A third, longer length is predicted before it is measured: that
+error is the plan's error bar. Model state per GPU: fp32 weights, gradients and
+AdamW's two moments, 16 bytes per parameter (divided over the GPUs under FSDP). Peak
+= state + micro-batch x activations per row, times a 1.2 margin for the backward's
+transient gradients and allocator fragmentation (an assumption, stated, until a GPU
+measures it: scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from hope.config import Config, load_config
 from hope.errors import ConfigError
+from hope.model.config import ModelConfig
 from hope.model.zoo import build_model
 
 MARGIN = 1.2  # backward transients and fragmentation (assumed; see the module doc)
@@ -34,24 +39,67 @@ STATE_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_s
 GIB = 1024**3
 
 
-def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, amp: torch.dtype | None) -> int:
-    """Bytes autograd saves for backward in one ``training_loss`` of ``tokens`` [B, T]
-    (each storage once; parameters are model state, not activations)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+class _Ledger:
+    """Bytes of the storages autograd holds for backward, live and at their peak."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}  # storage address -> saved tensors holding it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def hold(self, key: int, nbytes: int) -> None:
+        if not self.holders.get(key):
+            self.sizes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.holders[key] = self.holders.get(key, 0) + 1
+
+    def release(self, key: int) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            self.live -= self.sizes[key]
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor, and a note to the ledger when
+    autograd lets it go (a graph freed by an earlier ``autograd.grad``, e.g. HOPE's
+    teach pass A)."""
+
+    __slots__ = ("key", "ledger", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int, ledger: _Ledger | None) -> None:
+        self.tensor, self.key, self.ledger = tensor, key, ledger
+
+    def __del__(self) -> None:
+        if self.ledger is not None:
+            self.ledger.release(self.key)
+
+
+def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor, amp: torch.dtype | None) -> int:
+    """Peak bytes autograd holds for backward during one ``training_loss`` of ``tokens``
+    [B, T]: each storage once while any saved tensor holds it; parameters are model
+    state, not activations."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ledger = _Ledger()
+
+    def pack(t: torch.Tensor) -> _Saved:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        key = storage.data_ptr()
+        if key in params:
+            return _Saved(t, key, None)
+        ledger.hold(key, storage.nbytes())
+        return _Saved(t, key, ledger)
+
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
 
     with (
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack),
         torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None),
     ):
-        model.training_loss(tokens[:, :-1], tokens[:, 1:])  # type: ignore[operator]
-    return sum(seen.values())
+        loss = model.training_loss(tokens[:, :-1], tokens[:, 1:])  # type: ignore[operator]
+    del loss  # the graph and what it saved go with it
+    return ledger.peak
 
 
 @dataclass(frozen=True)
@@ -73,22 +121,26 @@ def _fit(lengths: Sequence[int], values: Sequence[float]) -> Fit:
 
 @dataclass(frozen=True)
 class Activations:
-    layer: Fit
+    layer: Fit  # kept per layer until backward
     shell: Fit
     holdout_length: int
     holdout_error: float  # (predicted - measured) / measured, one layer at holdout_length
+    recompute: Fit | None = None  # checkpoint_blocks: one block's activations, rerun once
 
     def per_row(self, length: int, n_layers: int) -> float:
-        return self.shell(length) + n_layers * self.layer(length)
+        rerun = 0.0 if self.recompute is None else self.recompute(length)
+        return self.shell(length) + n_layers * self.layer(length) + rerun
 
 
-def measure(cfg: Config, lengths: tuple[int, int, int], amp: torch.dtype | None) -> Activations:
-    """Fit per-layer and shell activation bytes at ``lengths[:2]``; predict ``lengths[2]``."""
+def _fit_layers(
+    cfg: Config, model_cfg: ModelConfig, lengths: tuple[int, int, int], amp: torch.dtype | None
+) -> Activations:
+    """Per-layer and shell fits at ``lengths[:2]`` for ``model_cfg``; ``lengths[2]`` checks."""
 
     def bytes_at(n_layers: int, length: int) -> float:
         torch.manual_seed(0)
-        model = build_model(replace(cfg.model, n_layers=n_layers)).train()
-        vocab = cfg.model.vocab_size or cfg.tokenizer.vocab_size
+        model = build_model(replace(model_cfg, n_layers=n_layers)).train()
+        vocab = model_cfg.vocab_size or cfg.tokenizer.vocab_size
         tokens = torch.randint(0, vocab, (1, length + 1))
         return float(saved_bytes(model, tokens, amp))
 
@@ -100,6 +152,16 @@ def measure(cfg: Config, lengths: tuple[int, int, int], amp: torch.dtype | None)
     predicted = shell(lengths[2]) + layer(lengths[2])
     measured = bytes_at(1, lengths[2])
     return Activations(layer, shell, lengths[2], (predicted - measured) / measured)
+
+
+def measure(cfg: Config, lengths: tuple[int, int, int], amp: torch.dtype | None) -> Activations:
+    """Fit per-layer and shell activation bytes at ``lengths[:2]``; predict ``lengths[2]``
+    (and, with checkpointed blocks, one block's rerun)."""
+    kept = _fit_layers(cfg, cfg.model, lengths, amp)
+    if not cfg.model.checkpoint_blocks:
+        return kept
+    whole = _fit_layers(cfg, replace(cfg.model, checkpoint_blocks=False), lengths, amp)
+    return replace(kept, recompute=whole.layer)
 
 
 @dataclass(frozen=True)
@@ -168,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.micro_batch is None:
         budget = args.gpu_mem_gb / MARGIN
         why = (
-            "one row's activations alone exceed it: raise model.smt_checkpoint_chunks "
-            "or shorten data.seq_len"
+            "one row's activations alone exceed it: set model.checkpoint_blocks=true, "
+            "raise model.smt_checkpoint_chunks or shorten data.seq_len"
             if plan.activations_gib_per_row >= budget
             else "the model state leaves too little: use --fsdp or more GPUs"
         )
