@@ -244,6 +244,51 @@ def test_hf_source_loads_local_data_with_max_documents(hf_files: Path, target: s
     assert manifest["source"]["kind"] == "hf"
 
 
+def test_a_streamed_hf_download_resumes_from_the_dataset_state(
+    hf_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed dataset that fails after 23 rows (resume points every 10): the rerun
+    hands the recorded ``state_dict()`` back to the dataset, which yields row 20 next —
+    the 20 rows already read are not read again — and the result is the uninterrupted
+    run's, byte for byte (max_documents counted across the break)."""
+    import hope.data.download as download
+    from hope.data.sources import StreamedTexts
+
+    monkeypatch.setattr(download, "PROGRESS_EVERY", 10)
+    cfg = make_cfg(source="hf", hf_name=str(hf_files / "hfdata"), streaming=True)
+    cfg.data.min_chars, cfg.data.val_fraction, cfg.data.max_documents = 1, 0.3, 27
+    whole = run_download(cfg, hf_files / "whole")
+
+    original = StreamedTexts.__next__
+    rows: list[str] = []
+
+    def counted(self: StreamedTexts) -> str:
+        text = original(self)
+        rows.append(text)
+        return text
+
+    def failing(self: StreamedTexts) -> str:
+        if len(rows) == 23:
+            raise ConnectionError("the hub went away")
+        return counted(self)
+
+    monkeypatch.setattr(StreamedTexts, "__next__", failing)
+    with pytest.raises(ConnectionError):
+        run_download(cfg, hf_files / "raw")
+    progress = json.loads((hf_files / "raw/.progress.json").read_text())
+    assert progress["counts"]["read"] == 20 and progress["source_state"] is not None
+
+    rows.clear()
+    monkeypatch.setattr(StreamedTexts, "__next__", counted)
+    resumed = run_download(cfg, hf_files / "raw")
+    assert rows[0] == words(20) and len(rows) == 7  # rows 20..26, nothing twice
+    for split in ("train", "val"):
+        assert sha256_file(hf_files / f"raw/{split}.jsonl") == sha256_file(
+            hf_files / f"whole/{split}.jsonl"
+        )
+    assert resumed["counts"] == whole["counts"] and resumed["counts"]["read"] == 27
+
+
 def test_hf_source_missing_column_is_named(hf_files: Path) -> None:
     cfg = make_cfg(source="hf", hf_name=str(hf_files / "hfdata/part.parquet"), text_column="body")
     with pytest.raises(StageError, match="data.text_column='body'.*columns: text, id"):
@@ -337,10 +382,10 @@ def test_an_interrupted_download_resumes_to_the_uninterrupted_bytes(
     texts = [words(i % 60) for i in range(90)]  # 30 duplicates, some after the break
     cfg = make_cfg(source="builtin", min_chars=1, val_fraction=0.3)
     monkeypatch.setattr(download, "PROGRESS_EVERY", 10)
-    monkeypatch.setattr(download, "iter_documents", lambda _cfg: iter(texts))
+    monkeypatch.setattr(download, "iter_documents", lambda _cfg, _state=None: iter(texts))
     whole = run_download(cfg, tmp_path / "whole")
 
-    def failing(_cfg: object) -> object:
+    def failing(_cfg: object, _state: object = None) -> object:
         for i, text in enumerate(texts):
             if i == 47:
                 raise ConnectionError("the source went away")
@@ -354,7 +399,7 @@ def test_an_interrupted_download_resumes_to_the_uninterrupted_bytes(
     partial = tmp_path / "raw/.train.jsonl.partial"
     assert partial.stat().st_size > progress["splits"]["train"]["offset"]  # 7 rows past it
 
-    monkeypatch.setattr(download, "iter_documents", lambda _cfg: iter(texts))
+    monkeypatch.setattr(download, "iter_documents", lambda _cfg, _state=None: iter(texts))
     resumed = run_download(cfg, tmp_path / "raw")
     for split in ("train", "val"):
         assert sha256_file(tmp_path / f"raw/{split}.jsonl") == sha256_file(
@@ -375,14 +420,14 @@ def test_a_changed_filter_starts_the_download_over(
     texts = [words(i) for i in range(30)]
     monkeypatch.setattr(download, "PROGRESS_EVERY", 10)
 
-    def failing(_cfg: object) -> object:
+    def failing(_cfg: object, _state: object = None) -> object:
         yield from texts[:25]
         raise ConnectionError("gone")
 
     monkeypatch.setattr(download, "iter_documents", failing)
     with pytest.raises(ConnectionError):
         run_download(make_cfg(source="builtin", min_chars=1, val_fraction=0.3), tmp_path / "raw")
-    monkeypatch.setattr(download, "iter_documents", lambda _cfg: iter(texts))
+    monkeypatch.setattr(download, "iter_documents", lambda _cfg, _state=None: iter(texts))
     other = make_cfg(source="builtin", min_chars=1, val_fraction=0.5)
     manifest = run_download(other, tmp_path / "raw")
     assert manifest["counts"]["read"] == 30

@@ -18,9 +18,11 @@ Outputs (all written atomically): ``train.jsonl``, ``val.jsonl`` (rows
 Resume after an interruption (a kill, a lost connection): the split files grow as
 ``.<split>.jsonl.partial`` and every ``PROGRESS_EVERY`` documents read, once both are
 flushed to disk, ``.progress.json`` records how many source documents were read, the
-files' lengths and counts, beside the dedup keys (``.seen.npy``). A rerun with the
-same source and filters truncates the partial files to those lengths, skips the
-documents already read and carries on; the result is byte for byte an uninterrupted
+files' lengths and counts, beside the dedup keys (``.seen.npy``) and, for a streamed
+Hugging Face dataset, its ``state_dict()``. A rerun with the same source and filters
+truncates the partial files to those lengths, continues the streamed dataset from
+that state (no shard is downloaded again) or else skips the documents already read,
+and carries on; the result is byte for byte an uninterrupted
 run's (tested). A changed source or filter starts over.
 """
 
@@ -173,12 +175,12 @@ def _save_array(path: Path, array: np.ndarray) -> None:
 
 def _save_progress(
     out_dir: Path, key: str, counts: dict[str, int], files: dict[str, _AtomicJsonl],
-    seen: set[bytes],
+    seen: set[bytes], source_state: dict[str, Any] | None,
 ) -> None:  # fmt: skip
     splits = {split: f.mark() for split, f in files.items()}  # on disk before the record
     keys = np.frombuffer(b"".join(sorted(seen)), dtype="V16") if seen else np.empty(0, "V16")
     atomic_write(out_dir / SEEN, lambda tmp: _save_array(tmp, keys))
-    progress = {"key": key, "counts": counts, "splits": splits}
+    progress = {"key": key, "counts": counts, "splits": splits, "source_state": source_state}
     atomic_write_json(out_dir / PROGRESS, progress)
 
 
@@ -187,12 +189,18 @@ def _filter_and_split(
     files: dict[str, _AtomicJsonl],
     counts: dict[str, int],
     seen: set[bytes],
-    checkpoint: Callable[[], None],
+    checkpoint: Callable[[dict[str, Any] | None], None],
+    source_state: dict[str, Any] | None,
 ) -> None:
-    documents = iter_documents(cfg)
-    if cfg.max_documents > 0:
-        documents = itertools.islice(documents, cfg.max_documents)
-    documents = itertools.islice(documents, counts["read"], None)  # resumed: read already
+    documents = iter_documents(cfg, source_state)
+    state = getattr(documents, "state", None)  # a source that can say where it is
+    if source_state is not None and state is not None:  # it starts where the run stopped
+        if cfg.max_documents > 0:
+            documents = itertools.islice(documents, cfg.max_documents - counts["read"])
+    else:
+        if cfg.max_documents > 0:
+            documents = itertools.islice(documents, cfg.max_documents)
+        documents = itertools.islice(documents, counts["read"], None)  # resumed: read already
     for raw in documents:
         counts["read"] += 1
         text = raw.strip()
@@ -212,7 +220,7 @@ def _filter_and_split(
         split = "val" if is_val_document(text, cfg.split_seed, cfg.val_fraction) else "train"
         files[split].write(text)
         if counts["read"] % PROGRESS_EVERY == 0:
-            checkpoint()
+            checkpoint(None if state is None else state())
             log.info("read %d documents", counts["read"])
 
 
@@ -232,8 +240,10 @@ def run_download(cfg: Config, out_dir: Path) -> dict[str, Any]:
         log.info("download: resuming after %d documents read", counts["read"])
     with _SplitWriter(out_dir, resume) as files:
         _filter_and_split(
-            data, files, counts, seen, lambda: _save_progress(out_dir, key, counts, files, seen)
-        )
+            data, files, counts, seen,
+            lambda at: _save_progress(out_dir, key, counts, files, seen, at),
+            None if resume is None else resume.get("source_state"),
+        )  # fmt: skip
         if files["train"].documents == 0:
             raise StageError(
                 f"data.source={data.source}: no training documents left after filtering "

@@ -24,7 +24,7 @@ import sysconfig
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from hope.config import DataConfig
@@ -66,12 +66,16 @@ def describe_source(cfg: DataConfig) -> dict[str, Any]:
     }
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """All raw documents of ``cfg.source`` in a fixed order (unfiltered, unlimited)."""
+def iter_documents(cfg: DataConfig, resume_state: dict[str, Any] | None = None) -> Iterator[str]:
+    """All raw documents of ``cfg.source`` in a fixed order (unfiltered, unlimited).
+
+    A streamed Hugging Face dataset comes as a ``StreamedTexts``, which can say where it
+    is (``state()``) and, given that ``resume_state``, starts there instead of at the
+    first document; every other source starts at the first document."""
     if cfg.source == "builtin":
         return builtin_documents()
     if cfg.source == "hf":
-        return hf_documents(cfg)
+        return hf_documents(cfg, resume_state)
     if cfg.source == "local":
         return local_documents(cfg.local_glob, cfg.text_column)
     raise StageError(f"data.source: unknown source {cfg.source!r}; use builtin, hf or local")
@@ -188,8 +192,28 @@ def _load_hf(cfg: DataConfig) -> Any:
     )
 
 
-def hf_documents(cfg: DataConfig) -> Iterator[str]:
-    """``text_column`` of a Hugging Face dataset, in dataset order."""
+class StreamedTexts(Iterator[str]):
+    """The texts of a streamed (``IterableDataset``) Hugging Face dataset that can be
+    resumed: ``state()`` is the dataset's ``state_dict()`` after the texts yielded so
+    far, and a dataset given that state yields the next text (exact without shuffling;
+    no shard is read again)."""
+
+    def __init__(self, dataset: Any, column: str, resume_state: dict[str, Any] | None) -> None:
+        if resume_state is not None:
+            dataset.load_state_dict(resume_state)
+        self.dataset, self.column = dataset, column
+        self.rows = iter(dataset)
+
+    def __next__(self) -> str:
+        text = next(self.rows).get(self.column)
+        return text if isinstance(text, str) else ""  # null rows count as too short
+
+    def state(self) -> dict[str, Any]:
+        return cast(dict[str, Any], self.dataset.state_dict())
+
+
+def hf_documents(cfg: DataConfig, resume_state: dict[str, Any] | None = None) -> Iterator[str]:
+    """``text_column`` of a Hugging Face dataset, in dataset order (streamed: resumable)."""
     dataset = _load_hf(cfg)
     columns = dataset.column_names
     if columns is not None and cfg.text_column not in columns:
@@ -197,9 +221,10 @@ def hf_documents(cfg: DataConfig) -> Iterator[str]:
             f"data.text_column={cfg.text_column!r} is not a column of {cfg.hf_name}; "
             f"columns: {', '.join(columns)}"
         )
-    for row in dataset:
-        text = row.get(cfg.text_column)
-        yield text if isinstance(text, str) else ""  # null rows count as too short
+    if cfg.streaming:
+        return StreamedTexts(dataset, cfg.text_column, resume_state)
+    texts = (row.get(cfg.text_column) for row in dataset)
+    return (text if isinstance(text, str) else "" for text in texts)
 
 
 # ---------------------------------------------------------------- local
