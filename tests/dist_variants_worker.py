@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 import hope
 from hope.model.zoo import VARIANTS
@@ -40,6 +41,8 @@ def train(cfg: hope.Config, env: d.DistEnv, parallel: str) -> tuple[dict, list[f
     torch.manual_seed(0)
     model = hope.build_model(cfg.model).double()
     wrapped = d.wrap(model, env, torch.device("cpu"), parallel)
+    if parallel == "fsdp" and env.enabled:  # one FSDP unit per block
+        assert all(isinstance(block, FSDPModule) for block in model.blocks)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, STEPS)
     rows = env.rows(cfg.train.batch_size)
@@ -54,21 +57,27 @@ def train(cfg: hope.Config, env: d.DistEnv, parallel: str) -> tuple[dict, list[f
 def main() -> None:
     dist.init_process_group("gloo")
     env = d.DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_rank())
+    # Every variant under both modes; hope and titans_mac also with checkpointed blocks
+    # under FSDP (the backward's rerun of a block gathers its shard again).
+    runs = [(v, p, "") for v in VARIANTS for p in ("ddp", "fsdp")]
+    runs += [(v, "fsdp", "+ckpt") for v in ("hope", "titans_mac")]
+    singles: dict[str, tuple[dict, list[float]]] = {}
     report = {}
-    for variant in VARIANTS:
-        cfg = hope.load_config(None, [*OVERRIDES, f"model.variant={variant}"])
-        single = train(cfg, d.DistEnv(), "ddp") if env.is_main else None
-        for parallel in ("ddp", "fsdp"):
-            params, losses = train(cfg, env, parallel)
-            if single is not None:
-                ref_params, ref_losses = single
-                report[f"{variant}/{parallel}"] = {
-                    "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-                    "params": max(
-                        float((params[k].double() - v.double()).abs().max())
-                        for k, v in ref_params.items()
-                    ),
-                }
+    for variant, parallel, tag in runs:
+        extra = ["model.checkpoint_blocks=true"] if tag else []
+        cfg = hope.load_config(None, [*OVERRIDES, f"model.variant={variant}", *extra])
+        if env.is_main and variant not in singles:
+            singles[variant] = train(cfg, d.DistEnv(), "ddp")
+        params, losses = train(cfg, env, parallel)
+        if env.is_main:
+            ref_params, ref_losses = singles[variant]
+            report[f"{variant}/{parallel}{tag}"] = {
+                "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+                "params": max(
+                    float((params[k].double() - v.double()).abs().max())
+                    for k, v in ref_params.items()
+                ),
+            }
     if env.is_main:
         with open(sys.argv[1], "w") as handle:
             json.dump(report, handle)

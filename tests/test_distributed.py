@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,15 @@ def test_uneven_batches_and_micro_batches_are_refused() -> None:
     cfg = hope.load_config(None, ["train.batch_size=6", "train.micro_batch_size=3"])
     with pytest.raises(ConfigError, match="train.micro_batch_size=3 exceeds the 2 rows"):
         d.check_world(cfg, env)
+
+
+@pytest.mark.parametrize(
+    "knob", ["optim.name=muon", "train.nan_policy=skip", "model.cms_mode=exact_online"]
+)
+def test_what_fsdp_cannot_keep_is_refused_naming_the_knob(knob: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(knob)):
+        hope.load_config(None, ["train.parallel=fsdp", knob])
+    hope.load_config(None, ["train.parallel=ddp", knob])  # DDP keeps it
 
 
 def test_the_stage_relaunches_itself_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -150,6 +150,36 @@ class HopeBlock(nn.Module):
         )
         return x + out, detach_state(mixer_state)
 
+    def teach_read(
+        self, x: torch.Tensor, state: HopeBlockState, pos: int, pieces: PieceGrid, mixes: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This layer in ``teach_pass``'s pass A (``model/teach.py``): the mixer in detached
+        pieces (``mixes=False``: already applied, the first layer), then every CMS level
+        reads θ0 + Δ_s without writing. Returns x and the level outputs (the taps δ is
+        taken at)."""
+        if mixes:
+            x, _ = self.mix_pieces(x, state.mixer, pos, pieces)
+        x, taps = self.cms.read(x, state.cms)
+        return x, [tap.output for tap in taps]
+
+    def teach_write(
+        self,
+        x: torch.Tensor,
+        state: HopeBlockState,
+        teaches: list[torch.Tensor],
+        pos: int,
+        mixed: tuple[torch.Tensor, Any] | None,
+        surprise: dict[str, Any],
+    ) -> tuple[torch.Tensor, HopeBlockState]:
+        """This layer in pass B: mix (or take ``mixed``, the first layer's), then every
+        CMS level writes with its δ and reads θ0 + sg(Δ_n) per chunk."""
+        x, mixer_state = self.mix(x, state.mixer, pos) if mixed is None else mixed
+        x, cms_state = self.cms.teach_forward(x, teaches, state.cms, **surprise)
+        return x, HopeBlockState(mixer_state, cms_state)
+
+    # Methods the LM calls besides forward, which sharding (FSDP2) must also see.
+    fsdp_forward_methods = ("mix", "teach_read", "teach_write")
+
     def forward(
         self, x: torch.Tensor, state: HopeBlockState, pos: int
     ) -> tuple[torch.Tensor, HopeBlockState]:

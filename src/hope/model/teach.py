@@ -48,7 +48,7 @@ from hope.memory.pieces import PieceGrid
 from hope.model.lm import LMState
 
 if TYPE_CHECKING:
-    from hope.model.hope import HopeBlock, HopeLM
+    from hope.model.hope import HopeLM
 
 IGNORE_INDEX = -100
 
@@ -162,7 +162,7 @@ def teach_signal(
         x = first_mixed.detach().requires_grad_(True)
         outputs: list[Tensor] = []
         for i, (block, block_state) in enumerate(zip(blocks, state.blocks, strict=True)):
-            x, taps = model.run_block(_pass_a_layer, block, x, block_state, state.pos, pieces, i)
+            x, taps = model.run_block(block.teach_read, x, block_state, state.pos, pieces, i > 0)
             outputs.extend(taps)
         normed = model.norm(x)
         head = head_signal(model, normed, targets)
@@ -171,34 +171,6 @@ def teach_signal(
     flat = [g.to(_teach_dtype(g.dtype)) for g in grads]
     deltas = [flat[i : i + n_levels] for i in range(0, len(flat), n_levels)]
     return TeachSignal(deltas, head.token_loss, head.token_entropy)
-
-
-def _pass_a_layer(
-    block: HopeBlock, x: Tensor, state: Any, pos: int, pieces: PieceGrid, index: int
-) -> tuple[Tensor, list[Tensor]]:
-    """One layer of pass A: its mixer in detached pieces (the first layer's is already
-    applied), then every CMS level reads θ0 + Δ_s without writing; returns the level
-    outputs (the taps δ is taken at)."""
-    if index > 0:
-        x, _ = block.mix_pieces(x, state.mixer, pos, pieces)
-    x, taps = block.cms.read(x, state.cms)
-    return x, [tap.output for tap in taps]
-
-
-def _pass_b_layer(
-    block: HopeBlock,
-    x: Tensor,
-    state: Any,
-    teaches: list[Tensor],
-    pos: int,
-    mixed: tuple[Tensor, Any] | None,
-    surprise: dict[str, Any],
-) -> tuple[Tensor, Any]:
-    """One layer of pass B: mix (or take the given mixing), then the CMS writes with
-    the layer's δ and reads θ0 + sg(Δ_n) per chunk."""
-    x, mixer_state = block.mix(x, state.mixer, pos) if mixed is None else mixed
-    x, cms_state = block.cms.teach_forward(x, teaches, state.cms, **surprise)
-    return x, dataclasses.replace(state, mixer=mixer_state, cms=cms_state)
 
 
 def teach_forward(
@@ -219,7 +191,7 @@ def teach_forward(
     ):
         mixed = first if i == 0 else None
         x, block_state = model.run_block(
-            _pass_b_layer, block, x, block_state, teaches, state.pos, mixed, surprise
+            block.teach_write, x, block_state, teaches, state.pos, mixed, surprise
         )
         new_states.append(block_state)
     return model.logits(x), LMState(new_states, state.pos + tokens.shape[1])
