@@ -66,7 +66,9 @@ cp reports/bench.json "$kept" 2>/dev/null || true
 cp reports/bench_meta.json "$kept_meta" 2>/dev/null || true
 
 part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
-part compile_parity 180 python -m pytest -q -p no:cacheprovider \
+# HOPE_TEST_INDUCTOR=1: every compile test through inductor's kernels (CI traces some
+# without code generation, which takes minutes per graph set on its 2 cores).
+part compile_parity 180 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
   tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
 # FLA parity needs the fla package, which the project does not depend on (and the GPU
 # machine may have no network to fetch it): run it where it imports, say so where not.

@@ -11,7 +11,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 import hope
 from hope.model.zoo import VARIANTS
@@ -41,8 +40,6 @@ def train(cfg: hope.Config, env: d.DistEnv, parallel: str) -> tuple[dict, list[f
     torch.manual_seed(0)
     model = hope.build_model(cfg.model).double()
     wrapped = d.wrap(model, env, torch.device("cpu"), parallel)
-    if parallel == "fsdp" and env.enabled:  # one FSDP unit per block
-        assert all(isinstance(block, FSDPModule) for block in model.blocks)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, STEPS)
     rows = env.rows(cfg.train.batch_size)

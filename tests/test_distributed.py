@@ -94,9 +94,7 @@ def test_uneven_batches_and_micro_batches_are_refused() -> None:
         d.check_world(cfg, env)
 
 
-@pytest.mark.parametrize(
-    "knob", ["optim.name=muon", "train.nan_policy=skip", "model.cms_mode=exact_online"]
-)
+@pytest.mark.parametrize("knob", ["optim.name=muon", "optim.name=m3", "train.nan_policy=skip"])
 def test_what_fsdp_cannot_keep_is_refused_naming_the_knob(knob: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(knob)):
         hope.load_config(None, ["train.parallel=fsdp", knob])

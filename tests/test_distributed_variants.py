@@ -1,5 +1,5 @@
-"""Data parallelism is exact for every variant: two gloo ranks (DDP, and FSDP2 with
-one unit per block; with checkpointed blocks too) train what one process trains on
+"""Data parallelism is exact for every variant: two gloo ranks (DDP, and FSDP2; with
+checkpointed blocks too) train what one process trains on
 the whole batch, float64, 3 steps — fast state is per sample, so each rank's rows give
 exactly their share of the gradient."""
 

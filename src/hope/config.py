@@ -290,11 +290,6 @@ def _validate(cfg: Config) -> None:
             "orthogonalises whole matrices (use optim.name=adamw or train.parallel=ddp)",
         ),
         (
-            cfg.train.parallel == "ddp" or m.cms_mode != "exact_online",
-            "model.cms_mode=exact_online calls each CMS level apart from its block, which "
-            "per-block FSDP units do not see; with train.parallel=fsdp use teach_pass",
-        ),
-        (
             cfg.train.parallel == "ddp" or cfg.train.nan_policy != "skip",
             "train.nan_policy=skip restores unsharded optimizer state; with "
             "train.parallel=fsdp use nan_policy stop or rewind",

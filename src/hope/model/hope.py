@@ -177,9 +177,6 @@ class HopeBlock(nn.Module):
         x, cms_state = self.cms.teach_forward(x, teaches, state.cms, **surprise)
         return x, HopeBlockState(mixer_state, cms_state)
 
-    # Methods the LM calls besides forward, which sharding (FSDP2) must also see.
-    fsdp_forward_methods = ("mix", "teach_read", "teach_write")
-
     def forward(
         self, x: torch.Tensor, state: HopeBlockState, pos: int
     ) -> tuple[torch.Tensor, HopeBlockState]:

@@ -12,16 +12,15 @@ at a rendezvous); under an existing torchrun environment — ``WORLD_SIZE``, ``R
 ``LOCAL_RANK`` — it joins the process group instead. Rank 0 alone writes checkpoints and reports.
 
 ``train.parallel=fsdp``: FSDP2 (``fully_shard``) instead of DDP. Parameters, gradients
-and AdamW state are sharded over the ranks at rest; each block is an FSDP unit, gathered
-only while it computes. HOPE's teach pass calls block methods other than ``forward``
-(``mix``, ``teach_read``, ``teach_write``): the block names them
-(``fsdp_forward_methods``) and FSDP2 hooks them too (``register_fsdp_forward_method``);
-the ``exact_online`` oracle reaches into the CMS levels and is refused under FSDP. bf16
-comes from autocast as on one device (no FSDP parameter cast: the fast-state arithmetic
-keeps its precision); gradients are reduced in the parameters' dtype (fp32). Checkpoints
-are gathered to the same single file as ever (``full_state_dict``), so a run resumes on
-any world size and the release reads it unchanged; the optimizer state is stored by
-parameter name (``state_dicts``).
+and AdamW state are sharded over the ranks at rest; the whole model is one FSDP unit,
+gathered for each forward and backward (not one unit per block: the fast states' initial
+values are meta-parameters read by ``init_state`` outside any forward, and HOPE's teach
+pass A runs an ``autograd.grad`` inside the forward, which FSDP2's per-unit hooks would
+end as a whole backward; docs/SCALING.md). bf16 comes from autocast as on one device (no
+FSDP parameter cast: the fast-state arithmetic keeps its precision); gradients are
+reduced in the parameters' dtype (fp32). Checkpoints are gathered to the same single
+file as ever (``full_state_dict``), so a run resumes on any world size and the release
+reads it unchanged; the optimizer state is stored by parameter name (``state_dicts``).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from hope.config import Config
@@ -134,16 +133,10 @@ def wrap(
     if not env.enabled:
         return None
     if parallel == "fsdp":
-        # One FSDP unit per block (gathered only while that block computes, forward or
-        # its rerun/backward), then the rest (embedding, final norm) in the root unit.
-        # Blocks name the methods the LM calls besides forward (HOPE's teach passes);
-        # FSDP's hooks run around those too. No MixedPrecisionPolicy: parameters stay in
-        # their dtype (fp32; fp64 in tests) and gradients are reduced in it; bf16 compute
-        # is autocast's, as on one device.
-        for block in cast(nn.ModuleList, model.blocks):
-            fully_shard(block)
-            for method in getattr(block, "fsdp_forward_methods", ()):
-                register_fsdp_forward_method(block, method)
+        # One FSDP unit over the whole model (docs/SCALING.md says why not one per
+        # block). No MixedPrecisionPolicy: parameters stay in their dtype (fp32; fp64
+        # in tests) and gradients are reduced in it; bf16 compute is autocast's, as on
+        # one device.
         root = TrainingLoss(model)
         fully_shard(root)
         return cast(FSDPModule, root)
