@@ -94,11 +94,14 @@ def test_uneven_batches_and_micro_batches_are_refused() -> None:
         d.check_world(cfg, env)
 
 
-@pytest.mark.parametrize("knob", ["optim.name=muon", "optim.name=m3", "train.nan_policy=skip"])
-def test_what_fsdp_cannot_keep_is_refused_naming_the_knob(knob: str) -> None:
-    with pytest.raises(ConfigError, match=re.escape(knob)):
-        hope.load_config(None, ["train.parallel=fsdp", knob])
-    hope.load_config(None, ["train.parallel=ddp", knob])  # DDP keeps it
+@pytest.mark.parametrize(
+    "knobs",
+    [["optim.name=muon"], ["optim.name=m3", "model.final_norm=true"], ["train.nan_policy=skip"]],
+)
+def test_what_fsdp_cannot_keep_is_refused_naming_the_knob(knobs: list[str]) -> None:
+    with pytest.raises(ConfigError, match=re.escape(knobs[0])):
+        hope.load_config(None, ["train.parallel=fsdp", *knobs])
+    hope.load_config(None, ["train.parallel=ddp", *knobs])  # DDP keeps it
 
 
 def test_the_stage_relaunches_itself_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
