@@ -70,12 +70,17 @@ def test_checkpoints_persist_between_runs() -> None:
     assert {"models/checkpoints": {"persist": True}} in outs
 
 
-def test_slurm_profile_requests_gpus_for_train_and_eval() -> None:
+def test_slurm_profile_requests_gpus_for_eval_and_leaves_train_to_params() -> None:
+    """The evaluation rules ask for a GPU in the profile; the train rule's GPUs and nodes
+    come from params (Snakefile, hope.train.launch.slurm_resources), which a profile
+    entry would override."""
     profile = yaml.safe_load((ROOT / "configs/slurm/config.yaml").read_text())
     assert profile["executor"] == "slurm"
-    for rule in ("train", "eval"):
+    for rule in ("eval", "zeroshot", "niah", "longctx", "continual"):
         resources = profile["set-resources"][rule]
         assert resources["gpu"] >= 1 and "gpus" not in resources
+    train = profile["set-resources"]["train"]
+    assert not {"gpu", "gpus", "gres", "nodes", "tasks"} & set(train), train
     assert set(profile["set-resources"]) <= set(_dvc_stages())
 
 
