@@ -22,8 +22,8 @@ files' lengths and counts, beside the dedup keys (``.seen.npy``) and, for a stre
 Hugging Face dataset, its ``state_dict()``. A rerun with the same source and filters
 truncates the partial files to those lengths, continues the streamed dataset from
 that state (no shard is downloaded again) or else skips the documents already read,
-and carries on; the result is byte for byte an uninterrupted
-run's (tested). A changed source or filter starts over.
+and carries on; the result is byte for byte an uninterrupted run's (tested). A changed
+source or filter starts over.
 """
 
 from __future__ import annotations
