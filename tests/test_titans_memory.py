@@ -269,3 +269,61 @@ def test_a_chunk_of_identical_keys_never_overshoots(chunk):
     loss0 = inner_loss(init.memory.w1, init.memory.w2, k, v, "l2", True)
     loss1 = inner_loss(state.memory.w1, state.memory.w2, k, v, "l2", True)
     assert bool((loss1 < loss0).all()), (loss0, loss1)
+
+
+@pytest.mark.parametrize(
+    ("span", "overrides"),
+    [
+        (1, {}),
+        (2, {"write_grad": "truncated", "write_grad_window": 3}),  # cuts inside segments
+        (3, {"titans_depth": 3}),  # the general-depth memory
+    ],
+)
+def test_checkpointed_chunk_loop_equals_the_plain_one(span, overrides):
+    """titans_checkpoint_chunks reruns segments of the chunk loop in backward: the same
+    outputs, states and gradients (every parameter and the input), over two chained
+    calls so the second completes a pending chunk."""
+    plain = _module(**overrides)
+    ckpt = _module(titans_checkpoint_chunks=span, **overrides)
+    ckpt.load_state_dict(plain.state_dict())
+    runs = []
+    for module in (ckpt, plain):
+        x = _x().requires_grad_(True)
+        y1, mid = module(x[:, :7])
+        y2, end = module(x[:, 7:], mid)
+        loss = y1.pow(2).sum() + y2.pow(2).sum() + sum(t.sum() for t in _tensors(end).values())
+        names, params = zip(*module.named_parameters(), strict=True)
+        grads = torch.autograd.grad(loss, (*params, x), allow_unused=True)
+        runs.append((torch.cat([y1, y2], dim=1), end, dict(zip((*names, "x"), grads, strict=True))))
+    (y, state, grads), (ref_y, ref_state, ref_grads) = runs
+    torch.testing.assert_close(y, ref_y, rtol=0, atol=1e-12)
+    _assert_states_close(state, ref_state, atol=1e-12)
+    for name, g in ref_grads.items():
+        assert g is not None and grads[name] is not None, name
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-12, msg=name)
+
+
+def test_checkpointed_chunk_loop_saves_fewer_activations():
+    """48 tokens in 12 chunks of 4: segments of 4 chunks keep none of the chunk steps'
+    activations (measured 81 KB vs 343 KB; what is left is the projections, the conv,
+    the gates and W_o, outside the loop)."""
+    x = _x(seq=48)
+    saved = {}
+    for span in (0, 4):
+        module = _module(titans_checkpoint_chunks=span)
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, storages=storages) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, _ = module(x)
+        y.sum().backward()
+        saved[span] = sum(storages.values())
+    assert saved[4] < 0.3 * saved[0], saved
+
+
+def test_negative_checkpoint_chunks_is_refused():
+    with pytest.raises(ValueError, match="titans_checkpoint_chunks=-1 must be >= 0"):
+        _module(titans_checkpoint_chunks=-1)

@@ -263,6 +263,10 @@ def _validate(cfg: Config) -> None:
             f"model.smt_checkpoint_chunks={m.smt_checkpoint_chunks} must be >= 0",
         ),
         (
+            m.titans_checkpoint_chunks >= 0,
+            f"model.titans_checkpoint_chunks={m.titans_checkpoint_chunks} must be >= 0",
+        ),
+        (
             not (m.cms_adaptive_lr and m.cms_mode == "static"),
             "model.cms_adaptive_lr=true needs a cms_mode that writes in training "
             "(teach_pass or exact_online): a static level never trains its rate gate",

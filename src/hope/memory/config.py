@@ -111,10 +111,15 @@ class TitansMemoryConfig:
     conv_window: int
     write_grad: WriteGrad
     write_grad_window: int
+    checkpoint_chunks: int  # chunk-loop checkpoint segments (``chunk_loop``); 0 = off
     init_std: float
 
     def check(self) -> None:
         """ValueError naming the ``model.*`` key of the first bad value."""
+        if self.checkpoint_chunks < 0:
+            raise ValueError(
+                f"model.titans_checkpoint_chunks={self.checkpoint_chunks} must be >= 0"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} not divisible by model.n_heads={self.n_heads}")
         if self.chunk < 1:

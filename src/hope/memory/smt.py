@@ -33,8 +33,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
+from hope.memory.chunk_loop import LoopPolicy, chunk_sizes, run_chunks
 from hope.memory.config import SMTConfig
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
@@ -48,12 +48,11 @@ from hope.memory.residual_mlp import (
     overshoot_ratio,
 )
 from hope.memory.smt_state import (
+    CallPlan,
     ChunkCarry,
-    ChunkLoop,
     Generated,
     MemoryGroup,
     SMTState,
-    detach_generated,
     join_generated,
     repeat_heads,
     stack_group,
@@ -66,6 +65,7 @@ class SelfModifyingTitans(nn.Module):
         super().__init__()
         cfg.check()
         self.cfg = cfg
+        self.policy = LoopPolicy(cfg.write_grad, cfg.write_grad_window, cfg.checkpoint_chunks)
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         hidden = cfg.expansion * self.d_head
         self.conv = (
@@ -246,13 +246,12 @@ class SelfModifyingTitans(nn.Module):
             precondition=self.cfg.precondition, momentum=self.cfg.momentum,
             backend=backend, factors=step.factors,
         )  # fmt: skip
-        new = new.detach() if self.cfg.write_grad == "stopgrad" else new
         if step.read is None:
             return new, None
         return new, step.read[:, (n - 1) * self.n_heads :]
 
     def _write_all(
-        self, stacks: dict[str, FastWeights], loop: ChunkLoop, gen: Generated, keep: bool
+        self, stacks: dict[str, FastWeights], loop: CallPlan, gen: Generated, keep: bool
     ) -> Tensor:
         """C_o = C_m: write every group (in place in ``stacks``) and return the chunk's
         read o = M_mem(q) at the chunk-start state. With the graph kept, the read rides
@@ -294,38 +293,22 @@ class SelfModifyingTitans(nn.Module):
             assert tail is not None
             x, tail = self.conv(x, tail, pieces)
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
-        plan, step = self._plan(backend), SelfModifyingTitans
-        loop = ChunkLoop.build(plan, backend, seq, pieces, step._generate, step._write)
+        plan, smt = self._plan(backend), SelfModifyingTitans
+        loop = CallPlan.build(plan, backend, seq, pieces, smt._generate, smt._write)
         mem_pending = [state.mem_pending] if state.mem_pending.length else []
         partial = state.partial if state.partial.length else None
         carry = ChunkCarry(
             {g.key: stack_group(state.memories, g) for g in plan}, mem_pending,
             state.mem_pending.length, state.chunks_done, partial,
         )  # fmt: skip
-        # The first chunk completes the pending partial one. One split (a cheap
-        # backward), not T/C slices.
-        c_o, held = self.cfg.chunk, state.partial.length
-        first = min(c_o - held, seq)
-        sizes = (
-            [first]
-            + [c_o] * ((seq - first) // c_o)
-            + ([(seq - first) % c_o] if (seq - first) % c_o else [])
-        )
+        sizes = chunk_sizes(state.partial.length, seq, self.cfg.chunk)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         chunks = list(zip(starts, heads.split(sizes, dim=2), strict=True))
-        span = self.cfg.checkpoint_chunks
-        reads: list[Tensor] = []
-        if span and pieces is None and torch.is_grad_enabled():
-            # MECHANISMS §8.1: keep one state per segment boundary and recompute the
-            # segment's chunk steps in backward (same values and gradients).
-            for first in range(0, len(chunks), span):
-                carry, out = checkpoint(
-                    self._run_chunks, carry, chunks[first : first + span], loop,
-                    use_reentrant=False,
-                )  # fmt: skip
-                reads += out
-        else:
-            carry, reads = self._run_chunks(carry, chunks, loop)
+
+        def step(carry: ChunkCarry, start: int, xc: Tensor) -> tuple[ChunkCarry, Tensor]:
+            return self._chunk_step(carry, start, xc, loop)
+
+        carry, reads = run_chunks(step, carry, chunks, self.policy, pieces)
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         mems: dict[str, FastWeights] = {}
         for group in plan:
@@ -338,24 +321,13 @@ class SelfModifyingTitans(nn.Module):
         )  # fmt: skip
         return self.w_o(out), new_state
 
-    def _run_chunks(
-        self, start: ChunkCarry, chunks: list[tuple[int, Tensor]], loop: ChunkLoop
-    ) -> tuple[ChunkCarry, list[Tensor]]:
-        """The chunk steps of ``chunks`` ((first token, x~ [B, H, C_o, d_h]) each) from
-        ``start``, which is left as it was (a checkpointed segment reruns from it)."""
-        carry = start.copy()
-        return carry, [self._chunk_step(carry, first, xc, loop) for first, xc in chunks]
-
-    def _chunk_step(self, carry: ChunkCarry, start: int, xc: Tensor, loop: ChunkLoop) -> Tensor:
-        """One C_o chunk: generate (eq. 83), read (eq. 94), write (eq. 88); updates
-        ``carry`` in place and returns the read o [B, H, C_o, d_h]."""
+    def _chunk_step(
+        self, start_carry: ChunkCarry, start: int, xc: Tensor, loop: CallPlan
+    ) -> tuple[ChunkCarry, Tensor]:
+        """One C_o chunk: generate (eq. 83), read (eq. 94), write (eq. 88). Returns the
+        new carry (``start_carry`` is left as it was) and the read o [B, H, C_o, d_h]."""
         pieces, plan, flush, backend = loop.pieces, loop.plan, loop.flush, loop.backend
-        if pieces is not None and pieces.piece_of(carry.live_from) != pieces.piece_of(start):
-            carry.stacks = {key: m.detach() for key, m in carry.stacks.items()}
-            carry.pending = [detach_generated(g) for g in carry.pending]
-            if carry.partial is not None:
-                carry.partial = detach_generated(carry.partial)
-            carry.live_from = start
+        carry = start_carry.copy()
         stop = start + xc.shape[2]
         # In pass A a write whose result is cut before anything reads it needs no
         # graph: only the read path (conv, q, M_mem at the cut state) carries δ.
@@ -368,7 +340,7 @@ class SelfModifyingTitans(nn.Module):
         gen = fresh if held is None else join_generated([held, fresh])
         if gen.length < self.cfg.chunk:  # read now; written once a later call completes it
             carry.partial = gen
-            return self._read(stacks[flush.key], flush, fresh.q)
+            return carry, self._read(stacks[flush.key], flush, fresh.q)
         carry.partial = None
         if self.cfg.chunk == self.cfg.mem_chunk:  # every group written every chunk
             read = self._write_all(stacks, loop, gen, keep)
@@ -393,7 +365,4 @@ class SelfModifyingTitans(nn.Module):
             if flush_now:
                 carry.pending, carry.pending_len = [], 0
         carry.chunks_done += 1
-        window = self.cfg.write_grad_window
-        if self.cfg.write_grad == "truncated" and carry.chunks_done % window == 0:
-            carry.stacks = {key: m.detach() for key, m in stacks.items()}
-        return read
+        return carry, read

@@ -170,9 +170,24 @@ class ChunkCarry:
             self.partial, self.live_from,
         )  # fmt: skip
 
+    def detach_memories(self) -> ChunkCarry:
+        """Write-gradient truncation: the memories leave the graph (``chunk_loop``)."""
+        out = self.copy()
+        out.stacks = {key: m.detach() for key, m in self.stacks.items()}
+        return out
+
+    def cut_at(self, start: int) -> ChunkCarry:
+        """Teach pass A's piece cut: all the carry holds leaves the graph; live from
+        token ``start``."""
+        out = self.detach_memories()
+        out.pending = [detach_generated(g) for g in self.pending]
+        out.partial = None if self.partial is None else detach_generated(self.partial)
+        out.live_from = start
+        return out
+
 
 @dataclass(frozen=True)
-class ChunkLoop:
+class CallPlan:
     """What every chunk step of one forward call shares."""
 
     plan: tuple[MemoryGroup, ...]
@@ -193,7 +208,7 @@ class ChunkLoop:
         pieces: PieceGrid | None,
         generate: Callable[..., Generated],
         write: Callable[..., tuple[FastWeights, Tensor | None]],
-    ) -> ChunkLoop:
+    ) -> CallPlan:
         flush = next(g for g in plan if "mem" in g.names)
         if backend != "compile":
             return cls(plan, flush, backend, seq, pieces, generate, write)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from hope.memory.chunk_loop import LoopPolicy, chunk_sizes, run_chunks
 from hope.memory.config import TitansMemoryConfig
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.deep_mlp import (
@@ -146,11 +147,23 @@ class NeuralMemoryState:
         return NeuralMemoryState(self.memory.select(index), tail, pending, self.chunks_done)
 
 
+@dataclass(frozen=True)
+class _Carry:
+    """The chunk loop's carry (``chunk_loop``): the fast weights and the chunk count."""
+
+    fast: FastWeights | DeepFastWeights
+    chunks_done: int
+
+    def detach_memories(self) -> _Carry:
+        return _Carry(self.fast.detach(), self.chunks_done)
+
+
 class NeuralMemory(nn.Module):
     def __init__(self, cfg: TitansMemoryConfig):
         super().__init__()
         cfg.check()
         self.cfg = cfg
+        self.policy = LoopPolicy(cfg.write_grad, cfg.write_grad_window, cfg.checkpoint_chunks)
         self.n_heads, self.d_head = cfg.n_heads, cfg.dim // cfg.n_heads
         self.w_qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         # The conv window is shared with SMT (one knob for "local conv on inputs").
@@ -228,33 +241,37 @@ class NeuralMemory(nn.Module):
                 torch.cat((old, new), dim=2)
                 for old, new in zip(state.pending.parts(), stream, strict=True)
             ]
-        size, total = self.cfg.chunk, held + seq
-        complete = total - total % size
-        fast, chunks_done, reads = state.memory, state.chunks_done, []
+        # Chunk j of the call's reads is q's j-th part; it writes the stream's j-th part
+        # (the first one led by the pending tokens).
+        sizes = chunk_sizes(held, seq, self.cfg.chunk)
+        n_written = len(sizes) - (1 if (held + seq) % self.cfg.chunk else 0)
+        q_parts = q.split(sizes, dim=2)
+        stream_parts = [t.split([held + sizes[0], *sizes[1:]], dim=2) for t in stream]
+        chunks = [(sum(sizes[:j]), j) for j in range(n_written)]
         # backend "compile": the whole chunk step (read, curvature, factors, write) in
         # one compiled graph, its write on the plain closed form.
-        step = (
+        chunk_step = (
             compiled(NeuralMemory._chunk_step) if backend == "compile" else NeuralMemory._chunk_step
         )
         write_backend = "torch" if backend == "compile" else backend
-        for start in range(0, complete, size):
-            reading = slice(max(start - held, 0), start + size - held)
-            k_c, v_c, theta_c, eta_c, alpha_c = (t[:, :, start : start + size] for t in stream)
-            fast, read = step(
-                self, fast, q[:, :, reading], k_c, v_c, theta_c, eta_c, alpha_c, write_backend
+
+        def step(carry: _Carry, start: int, j: int) -> tuple[_Carry, Tensor]:
+            k_c, v_c, theta_c, eta_c, alpha_c = (part[j] for part in stream_parts)
+            fast, read = chunk_step(
+                self, carry.fast, q_parts[j], k_c, v_c, theta_c, eta_c, alpha_c, write_backend
             )
-            reads.append(read)
-            chunks_done += 1
-            mode = self.cfg.write_grad
-            if mode == "stopgrad" or (
-                mode == "truncated" and chunks_done % self.cfg.write_grad_window == 0
-            ):
-                fast = fast.detach()
-        if complete < total:  # the partial chunk: read now, written by a later call
-            reads.append(self.read(fast, q[:, :, max(complete - held, 0) :]))
-        pending = PendingChunk(*(t[:, :, complete:] for t in stream))
+            return _Carry(fast, carry.chunks_done + 1), read
+
+        carry, reads = run_chunks(
+            step, _Carry(state.memory, state.chunks_done), chunks, self.policy
+        )
+        fast = carry.fast
+        if n_written < len(sizes):  # the partial chunk: read now, written by a later call
+            reads.append(self.read(fast, q_parts[-1]))
+        kept = slice(None) if n_written < len(sizes) else slice(0, 0)  # the partial chunk
+        pending = PendingChunk(*(part[-1][:, :, kept] for part in stream_parts))
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
-        return self.w_o(out), NeuralMemoryState(fast, tail, pending, chunks_done)
+        return self.w_o(out), NeuralMemoryState(fast, tail, pending, carry.chunks_done)
 
     def _chunk_step(
         self,

@@ -127,6 +127,9 @@ class ModelConfig:
     # Hidden width of the Titans memory (x head dim) and its q/k/v conv window.
     titans_expansion: int = 2
     titans_conv_window: int = 4
+    # Activation checkpointing of the Titans memory's chunk loop, as smt_checkpoint_chunks
+    # for the SMT (segments of this many chunks rerun in backward; 0 = off).
+    titans_checkpoint_chunks: int = 0
 
     # Surprise gate (per sample, per chunk, on device). None disables the gate.
     surprise_threshold: float | None = None
@@ -181,5 +184,6 @@ class ModelConfig:
             conv_window=self.titans_conv_window,
             write_grad=self.write_grad,
             write_grad_window=self.write_grad_window,
+            checkpoint_chunks=self.titans_checkpoint_chunks,
             init_std=self.init_std,
         )
