@@ -59,7 +59,7 @@ def test_grad_factors_equal_autograd_of_dot_objective() -> None:
     torch.testing.assert_close(g_out, torch.stack([g[1] for g in per_sample]), rtol=0, atol=1e-12)
 
 
-def _run_both(level: CMSLevel, prefix: int, length: int, finalize: bool) -> dict[str, list]:
+def _run_both(level: CMSLevel, prefix: int, length: int) -> dict[str, list]:
     """teach_forward and the oracle from the same state (with ``prefix`` tokens pending)."""
     state = level.init_state(2, dtype=F64)
     if prefix:  # streaming: a first call leaves a partial chunk pending
@@ -69,9 +69,9 @@ def _run_both(level: CMSLevel, prefix: int, length: int, finalize: bool) -> dict
     for name, fn in (("teach", level.teach_forward), ("online", None)):
         x = rand(2, length, DIM, seed=5).requires_grad_(True)
         if fn is None:
-            y, new = naive_online_level(level, x, teach, state, finalize=finalize)
+            y, new = naive_online_level(level, x, teach, state)
         else:
-            y, new = fn(x, teach, state, finalize=finalize)
+            y, new = fn(x, teach, state)
         grads = torch.autograd.grad((y * weight).sum(), [x, level.w_in, level.w_out])
         results[name] = [y, new.delta_in, new.delta_out, *grads, new.pending_inputs]
         results[name + "_state"] = [new]
@@ -79,20 +79,16 @@ def _run_both(level: CMSLevel, prefix: int, length: int, finalize: bool) -> dict
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-@pytest.mark.parametrize("grad_point", ["chunk_start", "base"])
-@pytest.mark.parametrize(("prefix", "length", "finalize"), [(0, 13, False), (2, 11, True)])
-def test_teach_pass_equals_exact_online(
-    rule: str, grad_point: str, prefix: int, length: int, finalize: bool
-) -> None:
-    level = make_level(period=3, rule=RULES[rule](), grad_point=grad_point)
-    res = _run_both(level, prefix, length, finalize)
+@pytest.mark.parametrize(("prefix", "length"), [(0, 13), (2, 11), (1, 11)])
+def test_teach_pass_equals_exact_online(rule: str, prefix: int, length: int) -> None:
+    level = make_level(period=3, rule=RULES[rule]())
+    res = _run_both(level, prefix, length)
     for fast, slow in zip(res["teach"], res["online"], strict=True):
         torch.testing.assert_close(fast, slow, rtol=0, atol=1e-10)
     new = res["teach_state"][0]
     assert new.delta_in.abs().max() > 1e-3  # updates really happened
-    assert new.boundaries == (prefix + length) // 3 + (
-        1 if finalize and (prefix + length) % 3 else 0
-    )
+    assert new.boundaries == (prefix + length) // 3
+    assert new.pending == (prefix + length) % 3
 
 
 @pytest.mark.parametrize("layout", ["chain", "independent"])
@@ -134,7 +130,7 @@ def test_cadence_counts_and_split_calls_equal_one_call() -> None:
         torch.testing.assert_close(getattr(state, name), getattr(whole, name), rtol=0, atol=1e-12)
 
 
-def test_slow_level_fires_under_segmented_calls_and_flush_only_with_finalize() -> None:
+def test_slow_level_fires_under_segmented_calls_and_keeps_partial_chunks_pending() -> None:
     level = make_level(period=8)
     state = level.init_state(1, dtype=F64)
     for seg in range(3):  # three 5-token segments: 15 tokens → one boundary at 8
@@ -142,21 +138,14 @@ def test_slow_level_fires_under_segmented_calls_and_flush_only_with_finalize() -
     assert (state.boundaries, state.pending) == (1, 7)
     assert state.delta_in.abs().max() > 0
     before = state.delta_in.clone()
-    no_flush = level.write(
-        rand(1, 2, DIM), rand(1, 2, DIM, seed=4), state, finalize=True, flush=False
-    )
-    assert (no_flush.boundaries, no_flush.pending) == (
-        2,
-        0,
-    )  # 7 + 2 = 9: one boundary, rest dropped
-    partial = level.write(rand(1, 1, DIM), rand(1, 1, DIM, seed=4), state, finalize=False)
-    assert (partial.boundaries, partial.pending) == (2, 0)  # 7 + 1 = 8 exactly: boundary, no flush
+    partial = level.write(rand(1, 1, DIM), rand(1, 1, DIM, seed=4), state)
+    assert (partial.boundaries, partial.pending) == (2, 0)  # 7 + 1 = 8 exactly: a boundary
     kept = level.write(rand(1, 3, DIM), rand(1, 3, DIM, seed=4), partial)
-    assert (kept.boundaries, kept.pending) == (2, 3)
+    assert (kept.boundaries, kept.pending) == (2, 3)  # a partial chunk writes nothing yet
     torch.testing.assert_close(kept.delta_in, partial.delta_in, rtol=0, atol=0)
-    flushed = level.write(rand(1, 1, DIM), rand(1, 1, DIM, seed=5), kept, finalize=True)
-    assert (flushed.boundaries, flushed.pending) == (3, 0)
-    assert (flushed.delta_in - kept.delta_in).abs().max() > 0
+    completed = level.write(rand(1, 6, DIM), rand(1, 6, DIM, seed=5), kept)
+    assert (completed.boundaries, completed.pending) == (3, 1)  # 3 + 6 = 9: one more
+    assert (completed.delta_in - kept.delta_in).abs().max() > 0
     assert (before - state.delta_in).abs().max() == 0
 
 

@@ -64,7 +64,7 @@ def test_written_delta_is_the_rate_weighted_gradient_sum_of_eq_31() -> None:
         torch.testing.assert_close(new.delta_out[b], want_out, rtol=0, atol=1e-12)
 
 
-def _outputs_and_grads(level: CMSLevel, online: bool, prefix: int, finalize: bool) -> list:
+def _outputs_and_grads(level: CMSLevel, online: bool, prefix: int) -> list:
     state = level.init_state(2, dtype=F64)
     if prefix:  # a partial chunk pending from an earlier call (a constant here)
         with torch.no_grad():
@@ -72,22 +72,20 @@ def _outputs_and_grads(level: CMSLevel, online: bool, prefix: int, finalize: boo
     x = rand(2, 11, DIM, seed=5).requires_grad_(True)
     teach, weight = rand(2, 11, DIM, seed=3), rand(2, 11, DIM, seed=4)
     if online:
-        y, new = naive_online_level(level, x, teach, state, finalize=finalize)
+        y, new = naive_online_level(level, x, teach, state)
     else:
-        y, new = level.teach_forward(x, teach, state, finalize=finalize)
+        y, new = level.teach_forward(x, teach, state)
     params = [x, level.w_in, level.w_out, level.lr_gate_weight, level.lr_gate_bias]
     grads = torch.autograd.grad((y * weight).sum(), params)
     return [y, new.delta_in, new.delta_out, new.pending_teach, *grads]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-@pytest.mark.parametrize(("prefix", "finalize"), [(0, False), (2, True)])
-def test_teach_pass_equals_online_oracle_with_adaptive_rates(
-    rule: str, prefix: int, finalize: bool
-) -> None:
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_teach_pass_equals_online_oracle_with_adaptive_rates(rule: str, prefix: int) -> None:
     level = make_level(RULES[rule]())
-    fast = _outputs_and_grads(level, False, prefix, finalize)
-    slow = _outputs_and_grads(level, True, prefix, finalize)
+    fast = _outputs_and_grads(level, False, prefix)
+    slow = _outputs_and_grads(level, True, prefix)
     for got, want in zip(fast, slow, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     gate_w_grad, gate_b_grad = fast[-2], fast[-1]
@@ -105,7 +103,7 @@ def test_gate_gradients_are_the_derivatives_of_the_level(rule: str) -> None:
 
     def read(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         level.lr_gate_weight, level.lr_gate_bias = w, b  # type: ignore[assignment]
-        y, _ = level.teach_forward(x, teach, level.init_state(2, dtype=F64), finalize=True)
+        y, _ = level.teach_forward(x, teach, level.init_state(2, dtype=F64))
         return (y * weight).sum()
 
     w0 = rand(DIM, seed=3).requires_grad_(True)
@@ -119,12 +117,12 @@ def test_zero_gate_is_the_fixed_rate_level(rule: str) -> None:
     adaptive = make_level(RULES[rule](), gate_seed=None)
     fixed = make_level(RULES[rule](), adaptive=False)
     fixed.load_state_dict(adaptive.state_dict(), strict=False)
-    got = _outputs_and_grads(adaptive, False, 2, True)
+    got = _outputs_and_grads(adaptive, False, 2)
     x = rand(2, 11, DIM, seed=5).requires_grad_(True)
     state = fixed.init_state(2, dtype=F64)
     with torch.no_grad():
         state = fixed.write(rand(2, 2, DIM, seed=7), rand(2, 2, DIM, seed=8), state)
-    y, new = fixed.teach_forward(x, rand(2, 11, DIM, seed=3), state, finalize=True)
+    y, new = fixed.teach_forward(x, rand(2, 11, DIM, seed=3), state)
     grads = torch.autograd.grad((y * rand(2, 11, DIM, seed=4)).sum(), [x, fixed.w_in, fixed.w_out])
     want = [y, new.delta_in, new.delta_out, new.pending_teach, *grads]
     for g, w in zip(got[:7], want, strict=True):

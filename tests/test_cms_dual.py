@@ -66,14 +66,11 @@ def assert_same(a: Run, b: Run) -> None:
         torch.testing.assert_close(leaf, leaf_ref, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("grad_point", ("chunk_start", "base"))
 @pytest.mark.parametrize("prefix", (0, 2))
 @pytest.mark.parametrize("period", (1, 3))
 @pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
-def test_dual_read_equals_materialised_read(
-    rule: str, period: int, prefix: int, grad_point: str
-) -> None:
-    dual, ref = level_pair(period, LINEAR_RULES[rule](), grad_point=grad_point)
+def test_dual_read_equals_materialised_read(rule: str, period: int, prefix: int) -> None:
+    dual, ref = level_pair(period, LINEAR_RULES[rule]())
     x, teach = rand(2, 13, DIM), rand(2, 13, DIM, seed=2)
     out = run(dual, x, teach, prefix % period)
     assert_same(out, run(ref, x, teach, prefix % period))
@@ -81,24 +78,23 @@ def test_dual_read_equals_materialised_read(
     assert (out[0] - dual(x)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("finalize", (False, True))
-def test_dual_read_with_surprise_gates_and_flush(finalize: bool) -> None:
+def test_dual_read_with_surprise_gates_and_a_pending_chunk() -> None:
     dual, ref = level_pair(3, MomentumRule(0.1, retention=0.9, beta=0.5), surprise_threshold=1.2)
     x, teach = rand(2, 11, DIM), rand(2, 11, DIM, seed=2)
     teach[0, 3:6] *= 0.01  # one closed gate in sample 0
-    out = run(dual, x, teach, 1, finalize=finalize)
-    assert_same(out, run(ref, x, teach, 1, finalize=finalize))
-    assert out[2].pending == (0 if finalize else (1 + 11) % 3)
+    out = run(dual, x, teach, 1)
+    assert_same(out, run(ref, x, teach, 1))
+    assert out[2].pending == (1 + 11) % 3
     assert out[2].updates[0] < out[2].updates[1]  # the gate did close for sample 0
 
 
 def test_auto_read_form_follows_rule_and_size() -> None:
     auto = CMSLevel(DIM, HIDDEN, 1, GDRule(0.1))
     layout = auto._layout(rand(1, 4, DIM), rand(1, 4, DIM), auto.init_state(1, dtype=F64),
-                          False, True, None, None, None)  # fmt: skip
+                          None, None)  # fmt: skip
     assert auto.uses_dual_read(layout)  # L·F = 16 <= n·h·d = 140
     long = auto._layout(rand(1, 40, DIM), rand(1, 40, DIM), auto.init_state(1, dtype=F64),
-                        False, True, None, None, None)  # fmt: skip
+                        None, None)  # fmt: skip
     assert not auto.uses_dual_read(long)  # 1600 > 1400
     erase = CMSLevel(DIM, HIDDEN, 1, DGDRule(0.1, erase=0.01))
     assert not erase.uses_dual_read(layout)

@@ -37,25 +37,19 @@ def scaled_teach(norms: list[list[float]]) -> torch.Tensor:
     return direction * torch.tensor(norms, dtype=F64)[..., None]
 
 
-def test_chunk_gate_means_over_real_tokens() -> None:
-    scores = torch.tensor([[[1.0, 3.0], [0.5, 0.0]], [[0.2, 0.2], [4.0, 0.0]]])
-    gate = chunk_gate(scores, threshold=1.0, last_len=1)  # last chunk: one real token
+def test_chunk_gate_compares_each_chunk_mean_with_the_threshold() -> None:
+    scores = torch.tensor([[[1.0, 3.0], [0.5, 1.0]], [[0.2, 0.2], [4.0, 0.0]]])
+    gate = chunk_gate(scores, threshold=1.0)  # means 2.0, 0.75 / 0.2, 2.0
     assert gate is not None and gate.tolist() == [[True, False], [False, True]]
-    assert chunk_gate(scores, None, 1) is None
-    with pytest.raises(ValueError, match="last_len"):
-        chunk_gate(scores, 1.0, last_len=0)
+    assert chunk_gate(scores, None) is None
 
 
-def test_token_mask_combines_threshold_and_teach_mask() -> None:
-    scores = torch.tensor([[0.5, 2.0, 3.0]])
-    teach_mask = torch.tensor([[True, True, False]])
-    masked, unthresholded = (
-        token_mask(scores, 1.0, teach_mask),
-        token_mask(scores, None, teach_mask),
-    )
-    assert masked is not None and masked.tolist() == [[0.0, 1.0, 0.0]]
-    assert unthresholded is not None and unthresholded.tolist() == [[1.0, 1.0, 0.0]]
-    assert token_mask(scores, None, None) is None
+def test_token_mask_keeps_the_tokens_at_or_above_the_threshold() -> None:
+    scores = torch.tensor([[0.5, 1.0, 3.0]], dtype=torch.float64)
+    masked = token_mask(scores, 1.0)
+    assert masked is not None and masked.dtype == torch.float64
+    assert masked.tolist() == [[0.0, 1.0, 1.0]]
+    assert token_mask(scores, None) is None
 
 
 @pytest.mark.parametrize("metric", ["loss", "entropy"])
@@ -113,10 +107,10 @@ def test_gated_teach_pass_equals_gated_online_with_pending() -> None:
     teach = scaled_teach(norms)
     x = torch.randn(2, 11, DIM, dtype=F64, generator=torch.Generator().manual_seed(4))
     state = level.write(x[:, :2], teach[:, :2], level.init_state(2, dtype=F64))
-    y1, s1 = level.teach_forward(x[:, 2:], teach[:, 2:], state, finalize=True)
-    y2, s2 = naive_online_level(level, x[:, 2:], teach[:, 2:], state, finalize=True)
+    y1, s1 = level.teach_forward(x[:, 2:], teach[:, 2:], state)
+    y2, s2 = naive_online_level(level, x[:, 2:], teach[:, 2:], state)
     torch.testing.assert_close(y1, y2, rtol=0, atol=1e-12)
     torch.testing.assert_close(s1.delta_in, s2.delta_in, rtol=0, atol=1e-12)
     torch.testing.assert_close(s1.updates, s2.updates, rtol=0, atol=0)
-    # sample 0 chunk means 1.23, 0.2, 1.03 and the flushed partial 1.55: three open
-    assert s1.updates.tolist() == [3.0, 4.0]
+    # sample 0 chunk means 1.23, 0.2, 1.03: two open; the last 2 tokens stay pending
+    assert s1.updates.tolist() == [2.0, 3.0] and s1.pending == 2

@@ -22,8 +22,8 @@ Equal given the same δ (tests, float64):
 
 Streaming: each level keeps a pending buffer (inputs, δ, surprise scores of tokens
 not yet written) that persists across calls; an update fires whenever ≥ C tokens
-are pending and pops exactly C; ``finalize=True`` optionally flushes the partial
-chunk and clears the buffer. All counts are static Python ints (no device syncs).
+are pending and pops exactly C; a partial chunk waits for a later call. All counts
+are static Python ints (no device syncs).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from hope.memory.cms_state import ChunkDeltas, ChunkLayout, LevelState
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.optim.inner import InnerRule
 
-GradPoint = Literal["chunk_start", "base"]
 Layout = Literal["chain", "independent"]
 ReadForm = Literal["auto", "dual", "materialized"]
 
@@ -73,7 +72,6 @@ class CMSLevel(nn.Module):
         period: int,
         rule: InnerRule,
         *,
-        grad_point: GradPoint = "chunk_start",
         surprise_threshold: float | None = None,
         surprise_metric: str = "l2",
         init_std: float = 0.02,
@@ -83,14 +81,8 @@ class CMSLevel(nn.Module):
         super().__init__()
         if period < 1 or hidden < 1:
             raise ValueError(f"CMSLevel: period and hidden must be >= 1 (got {period}, {hidden})")
-        if grad_point not in ("chunk_start", "base"):
-            raise ValueError(f"CMSLevel: grad_point must be chunk_start|base, got {grad_point!r}")
         self.dim, self.hidden, self.period = dim, hidden, period
         self.rule = rule
-        # chunk_start: factors at θ0 + Δ_n, the paper's chunk-start weights (NL eq. 31);
-        # base: factors at θ0 for every chunk (titans-pytorch "frozen base", MECHANISMS §8.2),
-        # one einsum over all chunks instead of one per chunk.
-        self.grad_point = grad_point
         self.surprise_threshold = surprise_threshold
         self.surprise_metric = surprise_metric
         if read_form not in ("auto", "dual", "materialized"):
@@ -211,9 +203,6 @@ class CMSLevel(nn.Module):
         x_norm: Tensor,
         teach: Tensor,
         state: LevelState,
-        finalize: bool,
-        flush: bool,
-        teach_mask: Tensor | None,
         token_loss: Tensor | None,
         token_entropy: Tensor | None,
     ) -> ChunkLayout:
@@ -227,11 +216,11 @@ class CMSLevel(nn.Module):
         n_read = -(-total // chunk)  # chunks holding call tokens
         n_full = total // chunk
         remainder = total - n_full * chunk
-        n_fire = n_full + (1 if finalize and flush and remainder else 0)
+        n_fire = n_full  # a partial last chunk stays pending until a later call
 
         teach = teach.detach()
         scores = self._scores(teach, token_loss, token_entropy)  # [B, T]
-        mask = token_mask(scores, self.surprise_threshold, teach_mask)
+        mask = token_mask(scores, self.surprise_threshold)
         if mask is not None:
             teach = teach * mask[..., None]
         if self.adaptive_lr:
@@ -247,9 +236,8 @@ class CMSLevel(nn.Module):
         scores_c = F.pad(scores_all, (0, pad)).view(batch, n_read, chunk)
         gates = None
         if n_fire:
-            last_len = chunk if n_fire == n_full else remainder
-            gates = chunk_gate(scores_c[:, :n_fire], self.surprise_threshold, last_len)
-        keep = 0 if finalize else remainder
+            gates = chunk_gate(scores_c[:, :n_fire], self.surprise_threshold)
+        keep = remainder
         return ChunkLayout(
             inputs=F.pad(inputs_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim),
             teach=F.pad(teach_all, (0, 0, 0, pad)).view(batch, n_read, chunk, dim),
@@ -282,9 +270,6 @@ class CMSLevel(nn.Module):
         teach: Tensor,
         state: LevelState,
         *,
-        finalize: bool = False,
-        flush: bool = True,
-        teach_mask: Tensor | None = None,
         token_loss: Tensor | None = None,
         token_entropy: Tensor | None = None,
     ) -> tuple[ChunkDeltas, LevelState]:
@@ -293,9 +278,7 @@ class CMSLevel(nn.Module):
         x_norm, teach δ [B, T, d] (both treated as constants); teach_mask, token_loss,
         token_entropy [B, T]. Chunk 0 starts with the P pending tokens of ``state``.
         """
-        layout = self._layout(
-            x_norm, teach, state, finalize, flush, teach_mask, token_loss, token_entropy
-        )
+        layout = self._layout(x_norm, teach, state, token_loss, token_entropy)
         return self._materialised(layout, state)
 
     def _materialised(
@@ -326,19 +309,12 @@ class CMSLevel(nn.Module):
     ) -> tuple[list[Tensor], list[Tensor], LevelState]:
         """Exclusive scan over chunks: Δ_0 = state, Δ_{j+1} = rule(Δ_j, chunk j)."""
         w_in, w_out = self.w_in.detach().to(inputs_c.dtype), self.w_out.detach().to(inputs_c.dtype)
-        base = None
-        if self.grad_point == "base" and n_fire:
-            base = chunk_grad_sums(inputs_c[:, :n_fire], teach_c[:, :n_fire], w_in, w_out)
         d_in, d_out, m_in, m_out = state.delta_in, state.delta_out, state.mom_in, state.mom_out
         deltas_in, deltas_out = [d_in], [d_out]
         for j in range(n_fire):
-            cur_in, cur_out = w_in + d_in, w_out + d_out  # chunk-start weights [B, ., .]
-            if base is None:
-                g_in, g_out, hidden = chunk_grad_sums(
-                    inputs_c[:, j], teach_c[:, j], cur_in, cur_out
-                )
-            else:
-                g_in, g_out, hidden = base[0][:, j], base[1][:, j], base[2][:, j]
+            # The gradient at the chunk-start weights (NL eq. 31), [B, ., .].
+            cur_in, cur_out = w_in + d_in, w_out + d_out
+            g_in, g_out, hidden = chunk_grad_sums(inputs_c[:, j], teach_c[:, j], cur_in, cur_out)
             gate = None if gates is None else gates[:, j]
             d_in, m_in = self.rule.step(d_in, m_in, g_in, inputs_c[:, j], cur_in, gate)
             d_out, m_out = self.rule.step(d_out, m_out, g_out, hidden, cur_out, gate)
@@ -367,23 +343,18 @@ class CMSLevel(nn.Module):
         teach: Tensor,
         state: LevelState,
         *,
-        finalize: bool = False,
-        flush: bool = True,
-        teach_mask: Tensor | None = None,
         token_loss: Tensor | None = None,
         token_entropy: Tensor | None = None,
     ) -> tuple[Tensor, LevelState]:
         """Pass B of ``teach_pass``: the read through θ0 + sg(Δ_n) per chunk, Δ_n built
         from (x_norm, δ), and the written state. Two forms with the same values: the
         dual read (``cms_dual``) or per-chunk weight stacks then one batched read."""
-        layout = self._layout(
-            x_norm, teach, state, finalize, flush, teach_mask, token_loss, token_entropy
-        )
+        layout = self._layout(x_norm, teach, state, token_loss, token_entropy)
         if not self.uses_dual_read(layout):
             deltas, new_state = self._materialised(layout, state)
             return self(x_norm, chunk_deltas=deltas), new_state
         out, (d_in, d_out, m_in, m_out) = dual_teach_read(
-            self.w_in, self.w_out, self.rule, self.grad_point == "base", x_norm, layout, state
+            self.w_in, self.w_out, self.rule, x_norm, layout, state
         )
         final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
         return out, self._advance(final, layout)

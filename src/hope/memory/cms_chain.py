@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from hope.layers import RMSNorm
-from hope.memory.cms import CMSLevel, GradPoint, Layout
+from hope.memory.cms import CMSLevel, Layout
 from hope.memory.cms_state import LevelState
 from hope.memory.config import CMSConfig
 from hope.optim.inner import InnerRule, make_inner_rule
@@ -71,7 +71,7 @@ class CMS(nn.Module):
         )
 
     @classmethod
-    def from_config(cls, cfg: CMSConfig, grad_point: GradPoint = "chunk_start") -> CMS:
+    def from_config(cls, cfg: CMSConfig) -> CMS:
         rule = make_inner_rule(
             cfg.rule, cfg.lr, cfg.retention, cfg.momentum, cfg.erase, cfg.momentum_width
         )
@@ -81,7 +81,6 @@ class CMS(nn.Module):
             cfg.periods,
             rule,
             norm_eps=cfg.norm_eps,
-            grad_point=grad_point,
             surprise_threshold=cfg.surprise_threshold,
             surprise_metric=cfg.surprise_metric,
             init_std=cfg.init_std,

@@ -17,9 +17,8 @@ stacks [B, n, h, d] of the materialised twin (``CMSLevel.chunk_deltas``) by [B, 
 score matrices and a short scan of small matmuls (one ``baddbmm`` per factor per
 chunk), with exactly the same values and gradients (tests, float64).
 
-The chunk-start factors (NL eq. 31, ``grad_point="chunk_start"``) are still sequential
-over chunks: chunk j's hidden layer and back-signal use Δ_j, which needs the factors
-of chunks < j. With ``grad_point="base"`` they come from θ0 in one batched op.
+The chunk-start factors (NL eq. 31) are still sequential over chunks: chunk j's hidden
+layer and back-signal use Δ_j, which needs the factors of chunks < j.
 """
 
 from __future__ import annotations
@@ -83,17 +82,13 @@ def _scan_factors(
     state: LevelState,
     token_coef: Tensor,
     carried: tuple[Tensor, Tensor],
-    at_base: bool,
 ) -> tuple[Tensor, Tensor]:
     """Hidden activations h_t and back-signals u_t = (δ_t W_out') ⊙ gelu'(z_t) of the
-    fired chunks [B, F, h], at each chunk's start weights (or θ0 when ``at_base``)."""
+    fired chunks [B, F, h], at each chunk's start weights."""
     batch, _, chunk, dim = layout.inputs.shape
     fired = layout.n_fire * chunk
     inputs = layout.inputs.reshape(batch, -1, dim)
     teach = layout.teach.reshape(batch, -1, dim)
-    if at_base:
-        pre = inputs[:, :fired] @ w_in.t()
-        return F.gelu(pre), gelu_backward(teach[:, :fired] @ w_out, pre)
     c_delta, c_mom = carried
     pre_0 = inputs @ w_in.t() + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
     # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
@@ -117,7 +112,6 @@ def dual_teach_read(
     w_in: Tensor,
     w_out: Tensor,
     rule: InnerRule,
-    at_base: bool,
     x_norm: Tensor,
     layout: ChunkLayout,
     state: LevelState,
@@ -135,7 +129,7 @@ def dual_teach_read(
         token_coef = per_token[..., _CARRIED:].repeat_interleave(chunk, dim=2)  # [B, L, F]
         carried = (per_token[..., 0], per_token[..., 1])
         w_in0, w_out0 = w_in.detach().to(work), w_out.detach().to(work)
-        hidden, back = _scan_factors(w_in0, w_out0, layout, state, token_coef, carried, at_base)
+        hidden, back = _scan_factors(w_in0, w_out0, layout, state, token_coef, carried)
         inputs = layout.inputs.reshape(batch, -1, dim)[:, :fired]
         teach = layout.teach.reshape(batch, -1, dim)[:, :fired]
         new_state = _final_state(state, final_d, final_m, inputs, teach, hidden, back, chunk)

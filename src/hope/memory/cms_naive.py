@@ -27,9 +27,6 @@ def naive_online_level(
     teach: Tensor,
     state: LevelState,
     *,
-    finalize: bool = False,
-    flush: bool = True,
-    teach_mask: Tensor | None = None,
     token_loss: Tensor | None = None,
     token_entropy: Tensor | None = None,
 ) -> tuple[Tensor, LevelState]:
@@ -40,14 +37,10 @@ def naive_online_level(
         stop = min(length, start + level.period - state.pending)
         seg = slice(start, stop)
         outputs.append(level(x_norm[:, seg], state))
-        last = stop == length
         state = level.write(
             x_norm[:, seg],
             teach[:, seg],
             state,
-            finalize=finalize and last,
-            flush=flush,
-            teach_mask=_slice_opt(teach_mask, start, stop),
             token_loss=_slice_opt(token_loss, start, stop),
             token_entropy=_slice_opt(token_entropy, start, stop),
         )
@@ -60,9 +53,6 @@ def naive_online_chain(
     x: Tensor,
     teaches: Sequence[Tensor],
     state: list[LevelState],
-    *,
-    finalize: bool = False,
-    flush: bool = True,
 ) -> tuple[Tensor, list[LevelState]]:
     """Oracle twin of ``CMS.teach_forward``: loop over chunks of the shortest period
     (every boundary of every level falls on that grid), read all levels, then write."""
@@ -72,7 +62,7 @@ def naive_online_chain(
         stop = min(length, start + first - state[0].pending)
         x_seg, taps = cms.read(x[:, start:stop], state)
         seg_teach = [t[:, start:stop] for t in teaches]
-        state = cms.write(taps, seg_teach, state, finalize=finalize and stop == length, flush=flush)
+        state = cms.write(taps, seg_teach, state)
         outputs.append(x_seg)
         start = stop
     return torch.cat(outputs, dim=1), state

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from torch import Tensor
 
 SurpriseMetric = Literal["l2", "loss", "entropy"]
@@ -52,31 +51,14 @@ def _check_shape(name: str, value: Tensor, teach: Tensor) -> Tensor:
     return value.to(teach.dtype)
 
 
-def token_mask(
-    scores: Tensor, threshold: float | None, teach_mask: Tensor | None = None
-) -> Tensor | None:
-    """m [B, T] = (u ≥ τ)·teach_mask, in the scores' dtype; None when nothing masks."""
-    mask = None if threshold is None else (scores >= threshold).to(scores.dtype)
-    if teach_mask is not None:
-        teach = teach_mask.to(scores.dtype)
-        mask = teach if mask is None else mask * teach
-    return mask
+def token_mask(scores: Tensor, threshold: float | None) -> Tensor | None:
+    """m [B, T] = (u ≥ τ) in the scores' dtype; None when the gate is disabled."""
+    return None if threshold is None else (scores >= threshold).to(scores.dtype)
 
 
-def chunk_gate(chunk_scores: Tensor, threshold: float | None, last_len: int) -> Tensor | None:
-    """g [B, n] bool from per-token scores laid out in chunks [B, n, C].
-
-    The last chunk may be partial (``last_len`` real tokens, the rest zero padding);
-    its mean is over the real tokens only. Returns None when the gate is disabled.
-    """
+def chunk_gate(chunk_scores: Tensor, threshold: float | None) -> Tensor | None:
+    """g [B, n] bool: the mean score of each whole chunk [B, n, C] is ≥ τ (a level
+    writes whole chunks only). None when the gate is disabled."""
     if threshold is None:
         return None
-    n_chunks, chunk = chunk_scores.shape[1], chunk_scores.shape[2]
-    if not 0 < last_len <= chunk:
-        raise ValueError(f"last_len must be in 1..{chunk}, got {last_len}")
-    counts = torch.full(
-        (n_chunks,), float(chunk), dtype=chunk_scores.dtype, device=chunk_scores.device
-    )
-    counts[-1] = float(last_len)
-    means = chunk_scores.sum(dim=-1) / counts  # [B, n]
-    return means >= threshold
+    return chunk_scores.mean(dim=-1) >= threshold
