@@ -192,7 +192,7 @@ def test_smoke_shape_is_valid_for_every_bench_variant() -> None:
 
 def test_pilot_chunks_shape_is_the_pilot_chunking_in_one_small_layer() -> None:
     cfg = load_config(PARAMS)
-    pilot = load_config(PARAMS, ["preset=pilot"]).model
+    pilot = load_config(None, ["preset=pilot"]).model
     shape = bench_run.bench_shape(cfg, "pilot_chunks")
     assert (shape.seq_len, shape.batch_size, shape.model.n_layers) == (1024, 1, 1)
     for key in ("cms_periods", "smt_chunk", "smt_mem_chunk", "smt_expansion", "titans_chunk",
@@ -205,7 +205,7 @@ def test_pilot_chunks_shape_is_the_pilot_chunking_in_one_small_layer() -> None:
 
 def test_pilot_shape_is_the_pilot_preset_in_two_layers_at_its_context() -> None:
     cfg = load_config(PARAMS)
-    pilot = load_config(PARAMS, ["preset=pilot"])
+    pilot = load_config(None, ["preset=pilot"])
     shape = bench_run.bench_shape(cfg, "pilot")
     assert (shape.seq_len, shape.model.n_layers) == (pilot.data.seq_len, 2)
     for key in ("dim", "n_heads", "vocab_size", "cms_periods", "smt_chunk", "smt_mem_chunk",

@@ -11,6 +11,7 @@ import yaml
 
 from hope.config import Config, all_keys, available_presets, load_config
 from hope.errors import ConfigError
+from hope.params_file import params_text, write_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
@@ -29,7 +30,45 @@ def _flatten(tree: dict, prefix: str = "") -> set[str]:
 def test_params_yaml_lists_every_knob_exactly() -> None:
     # Freezes the set of options: a new knob is a visible change to params.yaml.
     listed = _flatten(yaml.safe_load(PARAMS.read_text()))
-    assert listed == set(all_keys())
+    assert listed == {*all_keys(), "resolved_preset"}
+
+
+def test_params_yaml_is_the_tiny_preset_resolved() -> None:
+    """The repository's params.yaml is generated: the values a run uses, each default
+    still written once (dataclasses, presets). After changing a default, regenerate it."""
+    assert PARAMS.read_text() == params_text("tiny"), (
+        "params.yaml is stale: run `hope params --preset tiny --write params.yaml`"
+    )
+    tree = yaml.safe_load(PARAMS.read_text())
+    assert tree["model"]["dim"] == Config().model.dim and tree["train"]["steps"] > 0
+    assert tree["model"]["vocab_size"] is None  # follows the tokenizer
+    assert load_config(PARAMS) == load_config(None, ["preset=tiny"])
+
+
+@pytest.mark.parametrize("preset", ["pilot", "mid"])
+def test_a_written_preset_file_runs_that_preset(tmp_path: Path, preset: str) -> None:
+    path = tmp_path / "params.yaml"
+    write_params(path, preset, ["train.steps=7"])
+    tree = yaml.safe_load(path.read_text())
+    assert (tree["preset"], tree["resolved_preset"], tree["train"]["steps"]) == (preset, preset, 7)
+    cfg = load_config(path)
+    assert cfg == load_config(None, [f"preset={preset}", "train.steps=7"])
+    # A value edited in the file (dvc exp run -S) is what runs.
+    path.write_text(path.read_text().replace("  steps: 7\n", "  steps: 9\n"))
+    assert load_config(path).train.steps == 9
+
+
+def test_asking_a_resolved_file_for_another_preset_is_refused(tmp_path: Path) -> None:
+    """`dvc exp run -S preset=pilot` edits only the preset line: the file still holds
+    tiny's values, so the run would be tiny under pilot's name. Refused, naming the fix."""
+    edited = tmp_path / "params.yaml"
+    edited.write_text(PARAMS.read_text().replace("\npreset: tiny\n", "\npreset: pilot\n"))
+    for path, overrides in ((edited, []), (PARAMS, ["preset=mid"])):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, overrides)
+        message = str(info.value)
+        assert "holds the values of preset 'tiny'" in message, message
+        assert "hope params --preset" in message and "--write" in message
 
 
 def test_default_params_resolve_to_tiny_preset() -> None:
@@ -52,7 +91,7 @@ def test_preset_then_params_then_overrides(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("preset", available_presets())
 def test_every_preset_loads(preset: str) -> None:
-    cfg = load_config(PARAMS, [f"preset={preset}"])
+    cfg = load_config(None, [f"preset={preset}"])
     assert cfg.preset == preset
     assert cfg.model.dim % cfg.model.n_heads == 0
 
@@ -132,7 +171,7 @@ def test_paper_presets_match_the_papers_model_sizes(
 
     import hope
 
-    cfg = load_config(PARAMS, [f"preset={preset}", f"model.variant={variant}"])
+    cfg = load_config(None, [f"preset={preset}", f"model.variant={variant}"])
     with torch.device("meta"):  # sizes only: no memory is allocated
         params = hope.build_model(cfg.model).num_parameters()
     assert 0.75 * nominal < params < 1.3 * nominal, params
@@ -191,3 +230,15 @@ def test_bad_values_and_conflicts_are_one_line_naming_the_knob(override: str, na
     with pytest.raises(ConfigError) as info:
         load_config(PARAMS, [override])
     assert named in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_readme_preset_switch_command_writes_that_preset(tmp_path: Path) -> None:
+    """The README's `hope params --preset pilot --write params.yaml`, verbatim, in a copy."""
+    readme = (ROOT / "README.md").read_text().split("### Configuration")[1]
+    command = readme.split("```bash")[1].split("```")[0].split(" #")[0].strip()
+    assert command == "hope params --preset pilot --write params.yaml"
+    (tmp_path / "params.yaml").write_text(PARAMS.read_text())
+    hope_bin = Path(sys.executable).parent / "hope"
+    argv = [str(hope_bin), *command.split()[1:]]
+    subprocess.run(argv, cwd=tmp_path, check=True, capture_output=True, text=True)
+    assert load_config(tmp_path / "params.yaml") == load_config(None, ["preset=pilot"])

@@ -191,7 +191,7 @@ def test_hope_refuses_bad_input_with_one_line(bundle: Path, tmp_path, capsys) ->
 def test_hope_params_prints_the_resolved_preset(capsys) -> None:
     assert main(["params", "--params", str(ROOT / "params.yaml"), "--preset", "pilot"]) == 0
     printed = capsys.readouterr().out
-    resolved = load_config(ROOT / "params.yaml", ["preset=pilot"])
+    resolved = load_config(None, ["preset=pilot"])
     assert f"dim: {resolved.model.dim}" in printed and "preset: pilot" in printed
     assert yaml.safe_load(printed) == resolved.to_dict()  # every knob, resolved
 
@@ -205,3 +205,14 @@ def test_hope_doctor_names_each_problem_with_its_fix(monkeypatch, capsys) -> Non
     assert any(line.startswith("ok    dvc:") for line in lines)
     missing = next(line for line in lines if "no-such-tool-xyz" in line)
     assert missing.startswith("FAIL") and "fix: run `make setup`" in missing
+
+
+def test_hope_params_write_needs_a_preset_and_writes_a_loadable_file(tmp_path, capsys) -> None:
+    target = tmp_path / "params.yaml"
+    assert main(["params", "--write", str(target)]) == 2
+    assert "--write needs --preset" in capsys.readouterr().err and not target.exists()
+    assert (
+        main(["params", "--preset", "pilot", "--set", "train.steps=5", "--write", str(target)]) == 0
+    )
+    assert f"wrote {target} (preset pilot)" in capsys.readouterr().out
+    assert load_config(target) == load_config(None, ["preset=pilot", "train.steps=5"])

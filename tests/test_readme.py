@@ -40,8 +40,11 @@ COVERED = {
     r"python -m hope\.report\.tables .*": f"{E2E}::test_readme_tables_command_runs",
     r"python stages/longctx\.py --set .*": f"{E2E}::test_readme_longctx_command_runs",
     r"python stages/continual\.py --set .*": f"{E2E}::test_readme_continual_command_runs",
-    r"hope (generate|score|memorize|doctor|params) .*|hope doctor": (
+    r"hope (generate|score|memorize) .*|hope params --preset \w+|hope doctor": (
         f"{E2E}::test_readme_hope_commands_use_the_release"
+    ),
+    r"hope params --preset pilot --write params\.yaml": (
+        "tests/test_config.py::test_the_readme_preset_switch_command_writes_that_preset"
     ),
 }
 

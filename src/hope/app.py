@@ -5,7 +5,7 @@
     hope score --model release [--stream] FILE...
     hope memorize --model release --text doc.txt --save doc.safetensors
     hope doctor [--params params.yaml]
-    hope params [--preset NAME] [--params params.yaml] [--set key=value ...]
+    hope params [--preset NAME [--write params.yaml]] [--params params.yaml] [--set key=value ...]
 
 ``--model`` takes a release bundle or a checkpoint directory (with ``--tokenizer``).
 Expected errors print one line and exit with code 2.
@@ -61,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--params", type=Path, default=Path("params.yaml"))
 
     params = sub.add_parser("params", help="print the fully resolved config as YAML")
-    params.add_argument("--preset", help="resolve this preset (overrides the params file's)")
+    params.add_argument("--preset", help="resolve this preset alone (not the params file)")
     params.add_argument("--params", type=Path, default=Path("params.yaml"))
+    params.add_argument("--write", type=Path, metavar="PATH",
+                        help="write the preset as a params file (needs --preset)")  # fmt: skip
     params.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE")  # fmt: skip
     return parser
@@ -118,9 +120,18 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _params(args: argparse.Namespace) -> None:
     from hope.config import load_config
+    from hope.params_file import write_params
 
-    overrides = [*args.overrides, *([f"preset={args.preset}"] if args.preset else [])]
-    cfg = load_config(args.params if args.params.is_file() else None, overrides)
+    if args.write is not None:
+        if not args.preset:
+            raise ConfigError("hope params --write needs --preset NAME")
+        write_params(args.write, args.preset, args.overrides)
+        print(f"wrote {args.write} (preset {args.preset})")
+        return
+    if args.preset:  # the preset alone: a params file holds another preset's values
+        cfg = load_config(None, [f"preset={args.preset}", *args.overrides])
+    else:
+        cfg = load_config(args.params if args.params.is_file() else None, args.overrides)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
 
 

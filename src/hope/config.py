@@ -1,10 +1,10 @@
 """One typed configuration for the whole pipeline.
 
 Resolution order: dataclass defaults <- ``configs/presets/<preset>.yaml`` <-
-``params.yaml`` <- command-line overrides (``"model.dim=256"``). A ``null`` in
-``params.yaml`` means "keep the preset's value", so every knob is listed there
-(and ``dvc exp run -S key=value`` works for all of them) while the preset stays
-the place where model sizes live.
+``params.yaml`` <- command-line overrides (``"model.dim=256"``). The repository's
+``params.yaml`` is a preset resolved (``hope.params_file``): every value a run uses,
+marked with the preset it came from, so asking it for another preset is refused. A
+``null`` there means "keep the preset's value".
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ __all__ = [
     "available_presets",
     "config_from_dict",
     "load_config",
+    "merge_config",
     "save_config",
 ]
 
@@ -196,47 +197,6 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return base
 
 
-def _rule_knob_errors(name: str, momentum: float, erase: float, width: int = 0) -> list[str]:
-    """What is wrong with (cms_rule, cms_momentum, cms_erase, cms_momentum_width): a
-    knob the rule ignores must stay 0, so that no setting is silently without effect."""
-    errors = []
-    if name == "deep_momentum" and width < 1:
-        errors.append(
-            "model.cms_rule=deep_momentum needs model.cms_momentum_width >= 1 "
-            "(the hidden width of its momentum MLP)"
-        )
-    if name != "deep_momentum" and width:
-        errors.append(
-            f"model.cms_momentum_width={width} has no effect with model.cms_rule={name} "
-            "(it is deep_momentum's MLP width)"
-        )
-    if not 0.0 <= momentum < 1.0 and not (name == "delta_momentum" and momentum == 1.0):
-        errors.append(f"model.cms_momentum={momentum} must be in [0, 1)")
-    if name == "gd" and momentum:
-        errors.append(
-            f"model.cms_momentum={momentum} has no effect with model.cms_rule=gd "
-            "(use momentum, dgd, delta_momentum or ortho_momentum)"
-        )
-    if name == "momentum" and not momentum:
-        errors.append("model.cms_rule=momentum needs model.cms_momentum > 0")
-    if name == "dgd" and not erase > 0:
-        errors.append("model.cms_rule=dgd needs model.cms_erase > 0 (the erase coefficient)")
-    if name == "precond_momentum" and not erase > 0:
-        errors.append(
-            "model.cms_rule=precond_momentum needs model.cms_erase > 0 (the damping ε of "
-            "its preconditioner (εI + XᵀX/C)⁻¹)"
-        )
-    if name in ("gd", "momentum", "ortho_momentum", "deep_momentum") and erase:
-        errors.append(
-            f"model.cms_erase={erase} has no effect with model.cms_rule={name} "
-            "(it is dgd's erase coefficient, delta_momentum's epsilon or "
-            "precond_momentum's damping)"
-        )
-    if erase < 0:
-        errors.append(f"model.cms_erase={erase} must be >= 0")
-    return errors
-
-
 def _validate(cfg: Config) -> None:
     m, d = cfg.model, cfg.data
     sizes = {"dim": m.dim, "n_heads": m.n_heads, "n_layers": m.n_layers,
@@ -334,7 +294,7 @@ def _validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    rule_errors = _rule_knob_errors(m.cms_rule, m.cms_momentum, m.cms_erase, m.cms_momentum_width)
+    rule_errors = m.cms_rule_errors()
     if rule_errors:
         raise ConfigError(rule_errors[0])
     if m.vocab_size is None:
@@ -346,9 +306,21 @@ def _validate(cfg: Config) -> None:
         )
 
 
+# The key of a params file that holds a preset's resolved values (``hope.params_file``).
+RESOLVED_MARK = "resolved_preset"
+
+
 def load_config(path: str | Path | None = "params.yaml", overrides: Iterable[str] = ()) -> Config:
     """Resolve defaults <- preset <- ``path`` <- ``overrides`` into a validated Config."""
+    cfg = merge_config(path, overrides)
+    _validate(cfg)
+    return cfg
+
+
+def merge_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
+    """``load_config`` before validation fills derived values (model.vocab_size)."""
     params = _read_yaml(Path(path)) if path is not None else {}
+    resolved_from = params.pop(RESOLVED_MARK, None)
     override_tree: dict[str, Any] = {}
     for text in overrides:
         _merge(override_tree, _parse_override(text))
@@ -356,6 +328,11 @@ def load_config(path: str | Path | None = "params.yaml", overrides: Iterable[str
     if not isinstance(preset, str) or preset not in available_presets():
         raise ConfigError(
             f"unknown preset {preset!r}; valid presets: {', '.join(available_presets())}"
+        )
+    if resolved_from is not None and resolved_from != preset:
+        raise ConfigError(
+            f"{path} holds the values of preset {resolved_from!r}, not of preset {preset!r}: "
+            f"write that preset's with `hope params --preset {preset} --write {path}`"
         )
     cfg = Config()
     preset_path = PRESET_DIR / f"{preset}.yaml"
@@ -369,7 +346,6 @@ def load_config(path: str | Path | None = "params.yaml", overrides: Iterable[str
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
     cfg.preset = preset
-    _validate(cfg)
     return cfg
 
 

@@ -135,6 +135,48 @@ class ModelConfig:
     surprise_threshold: float | None = None
     surprise_metric: SurpriseMetric = "l2"
 
+    def cms_rule_errors(self) -> list[str]:
+        """What is wrong with (cms_rule, cms_momentum, cms_erase, cms_momentum_width): a
+        knob the rule ignores must stay 0, so that no setting is silently without effect."""
+        name, momentum = self.cms_rule, self.cms_momentum
+        erase, width = self.cms_erase, self.cms_momentum_width
+        errors = []
+        if name == "deep_momentum" and width < 1:
+            errors.append(
+                "model.cms_rule=deep_momentum needs model.cms_momentum_width >= 1 "
+                "(the hidden width of its momentum MLP)"
+            )
+        if name != "deep_momentum" and width:
+            errors.append(
+                f"model.cms_momentum_width={width} has no effect with model.cms_rule={name} "
+                "(it is deep_momentum's MLP width)"
+            )
+        if not 0.0 <= momentum < 1.0 and not (name == "delta_momentum" and momentum == 1.0):
+            errors.append(f"model.cms_momentum={momentum} must be in [0, 1)")
+        if name == "gd" and momentum:
+            errors.append(
+                f"model.cms_momentum={momentum} has no effect with model.cms_rule=gd "
+                "(use momentum, dgd, delta_momentum or ortho_momentum)"
+            )
+        if name == "momentum" and not momentum:
+            errors.append("model.cms_rule=momentum needs model.cms_momentum > 0")
+        if name == "dgd" and not erase > 0:
+            errors.append("model.cms_rule=dgd needs model.cms_erase > 0 (the erase coefficient)")
+        if name == "precond_momentum" and not erase > 0:
+            errors.append(
+                "model.cms_rule=precond_momentum needs model.cms_erase > 0 (the damping ε of "
+                "its preconditioner (εI + XᵀX/C)⁻¹)"
+            )
+        if name in ("gd", "momentum", "ortho_momentum", "deep_momentum") and erase:
+            errors.append(
+                f"model.cms_erase={erase} has no effect with model.cms_rule={name} "
+                "(it is dgd's erase coefficient, delta_momentum's epsilon or "
+                "precond_momentum's damping)"
+            )
+        if erase < 0:
+            errors.append(f"model.cms_erase={erase} must be >= 0")
+        return errors
+
     def cms_config(self) -> CMSConfig:
         return CMSConfig(
             dim=self.dim,
