@@ -2,7 +2,8 @@
 rule gives the same preconditioned W2 write as the closed form of ``chunk.py``.
 
 Needs CUDA and the ``fla`` package (neither is a dependency of the project); skips
-otherwise. What runs everywhere: the backend refuses what it cannot do.
+otherwise. What runs everywhere: the writes it has no kernel for fall back to the
+closed form, and asking for it where it cannot run is refused before any work.
 """
 
 from __future__ import annotations
@@ -42,15 +43,37 @@ def _inputs(device: str, seed: int = 0) -> tuple[FastWeights, dict[str, torch.Te
     return fast, inputs
 
 
-def test_fla_backend_refuses_what_it_cannot_do() -> None:
+@pytest.mark.parametrize(("precondition", "momentum"), [(False, 0.0), (True, 0.5)])
+def test_fla_backend_falls_back_to_the_closed_form_where_it_has_no_kernel(
+    precondition: bool, momentum: float
+) -> None:
+    """An SMT write fla cannot do and the Titans momentum write run the "torch" closed
+    form under "fla": bit for bit the same (no fla import, so this runs on any machine)."""
     fast, x = _inputs("cpu")
     args = (fast, x["k"], x["target"], x["eta"], x["alpha"])
-    with pytest.raises(ValueError, match="precondition=True, momentum=0"):
-        dgd_write(*args, objective="l2", residual=True, precondition=False, momentum=0.0,
-                  backend="fla")  # fmt: skip
-    with pytest.raises(ValueError, match="no Titans momentum write"):
-        momentum_write(fast, x["k"], x["target"], x["eta"], x["eta"], x["alpha"],
-                       objective="l2", residual=True, backend="fla")  # fmt: skip
+    kw = {"objective": "l2", "residual": True, "precondition": precondition, "momentum": momentum}
+    got, want = dgd_write(*args, **kw, backend="fla"), dgd_write(*args, **kw, backend="torch")
+    for name in ("w1", "w2", "m1", "m2"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+    args = (fast, x["k"], x["target"], x["eta"], x["eta"], x["alpha"])
+    got = momentum_write(*args, objective="l2", residual=True, backend="fla")
+    want = momentum_write(*args, objective="l2", residual=True, backend="torch")
+    for name in ("w1", "w2", "m1", "m2"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and HAVE_FLA, reason="fla can run here: nothing to refuse"
+)
+def test_fla_where_it_cannot_run_is_refused_naming_the_knob(tmp_path) -> None:
+    from hope.config import TrainConfig
+    from hope.errors import ConfigError
+    from hope.train.device import setup_runtime
+
+    missing = "a CUDA device" if not torch.cuda.is_available() else "flash-linear-attention"
+    for section in ("train", "bench"):
+        with pytest.raises(ConfigError, match=f"{section}.memory_backend=fla needs {missing}"):
+            setup_runtime(TrainConfig(memory_backend="fla"), torch.device("cpu"), section)
 
 
 @pytest.mark.skipif(

@@ -177,7 +177,7 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
         precision=bench.precision,
         deterministic=device.type == "cpu",
     )
-    setup_runtime(runtime, device)
+    setup_runtime(runtime, device, "bench")
     amp_dtype = autocast_dtype(device, bench.precision)
     shape = bench_shape(cfg, shape_name)
     model_cfg = dataclasses.replace(shape.model, variant=variant)  # type: ignore[arg-type]

@@ -78,9 +78,13 @@ def runtime_record(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     }
 
 
-def setup_runtime(cfg: TrainConfig, device: torch.device) -> None:
-    """Numerics, seeds and the memory-write backend, before the model is built."""
-    set_default_backend(cfg.memory_backend)
+def setup_runtime(cfg: TrainConfig, device: torch.device, section: str = "train") -> None:
+    """Numerics, seeds and the memory-write backend, before the model is built; a
+    backend this machine cannot run is a ConfigError naming ``{section}.memory_backend``."""
+    try:
+        set_default_backend(cfg.memory_backend, f"{section}.memory_backend")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     configure_numerics(cfg, device)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)

@@ -8,7 +8,11 @@ Backends:
 - ``"fla"``: flash-linear-attention's ``chunk_gated_delta_rule`` supplies the
   W2 delta-rule part of a preconditioned DGD write (MECHANISMS §8.1 note);
   imported lazily, so the package never needs it; its parity test
-  (tests/test_memory_fla.py) runs where CUDA and ``fla`` are present.
+  (tests/test_memory_fla.py) runs where CUDA and ``fla`` are present. Every write
+  it has no kernel for (the Titans momentum write, an SMT write with momentum or
+  without preconditioning) falls back to the ``"torch"`` closed form, the same
+  values; asking for it where it cannot run (no CUDA, no package) is refused when
+  the default is set, before any work.
 - ``"compile"``: the ``"torch"`` closed forms wrapped in ``torch.compile``
   (fuses the many small ops of a chunk update); compiled lazily on first use,
   never the default. The SMT and the Titans memory compile their whole chunk
@@ -25,6 +29,7 @@ one call (the tests' naive oracles).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
 
@@ -40,9 +45,22 @@ BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile")
 _default_backend: Backend = "torch"
 
 
-def set_default_backend(name: str) -> None:
+def set_default_backend(name: str, knob: str = "memory_backend") -> None:
+    """The process's backend (``knob`` names the setting in errors)."""
     global _default_backend
-    _default_backend = resolve_backend(name)
+    backend = resolve_backend(name)
+    if backend == "fla" and (missing := fla_missing()) is not None:
+        raise ValueError(f"{knob}=fla needs {missing}; use torch or compile")
+    _default_backend = backend
+
+
+def fla_missing() -> str | None:
+    """What the ``"fla"`` backend lacks on this machine, or None."""
+    if not torch.cuda.is_available():
+        return "a CUDA device (flash-linear-attention's kernels are Triton on CUDA)"
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention (pip install flash-linear-attention)"
+    return None
 
 
 def resolve_backend(name: str | None) -> Backend:
@@ -129,7 +147,7 @@ def dgd_write(
         )
         return fast.with_weights(*out)
     if name == "fla" and (not precondition or momentum):
-        raise ValueError("memory backend 'fla' supports only precondition=True, momentum=0")
+        name = "torch"  # no fla kernel for this rule: the same values by the closed form
     fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     # For 'fla' the cheap decay-only W2 path runs here and is replaced below.
     w1, w2, m1, m2 = _chunk_fn(name, chunk_dgd_update)(
@@ -176,7 +194,7 @@ def momentum_write(
         out = naive_momentum_update(fast.w1, fast.w2, fast.m1, fast.m2, g1, g2, theta, eta, keep)
         return fast.with_weights(*out)
     if name == "fla":
-        raise ValueError("memory backend 'fla' has no Titans momentum write; use 'torch'")
+        name = "torch"  # no fla kernel for the momentum write: the closed form
     fac = grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     chunked = _chunk_fn(name, chunk_momentum_update)(
         fast.w1, fast.w2, fast.m1, fast.m2, k, fac.e, fac.a, fac.d, theta, eta, keep
