@@ -254,6 +254,11 @@ def _validate(cfg: Config) -> None:
             "orthogonalises whole matrices (use optim.name=adamw or train.parallel=ddp)",
         ),
         (
+            cfg.train.checkpoint_format == "full" or cfg.optim.name == "adamw",
+            f"train.checkpoint_format=sharded is built for optim.name=adamw, not "
+            f"{cfg.optim.name} (use train.checkpoint_format=full)",
+        ),
+        (
             cfg.train.parallel == "ddp" or cfg.train.nan_policy != "skip",
             "train.nan_policy=skip restores unsharded optimizer state; with "
             "train.parallel=fsdp use nan_policy stop or rewind",

@@ -96,6 +96,11 @@ class TrainConfig:
     # chunk steps through torch.compile (same values); "fla" needs CUDA + fla.
     memory_backend: Literal["torch", "compile", "fla"] = "torch"
     checkpoint_every: int = 100
+    # "full": one step_*.pt with whole tensors (gathered on rank 0 under FSDP);
+    # "sharded": a step_*/ directory where every rank writes its own shards through
+    # torch.distributed.checkpoint (nothing gathered; hope.train.sharded). Either
+    # kind resumes on any world size and feeds the release.
+    checkpoint_format: Literal["full", "sharded"] = "full"
     # Checkpoints kept (newest first); a corrupt newest one falls back to the next.
     keep_checkpoints: int = 2
     # On a non-finite loss (checked at each log/validation/checkpoint step, before

@@ -1,4 +1,6 @@
-"""Checkpoints: atomic ``step_{step:07d}.pt`` files, loadable with ``weights_only=True``.
+"""Checkpoints: atomic ``step_{step:07d}.pt`` files, loadable with ``weights_only=True``,
+or (``train.checkpoint_format=sharded``) ``step_{step:07d}/`` directories of per-rank
+shards (``hope.train.sharded``); both kinds are listed, verified and loaded here.
 
 Everything stored is a tensor, dict, list, int, float, str, bool or None, so
 ``torch.load(weights_only=True)`` can read it back without unpickling code. Each file
@@ -15,6 +17,7 @@ import logging
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,10 @@ from hope.errors import StageError
 from hope.io import atomic_write, atomic_write_text, sha256_file
 from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
+from hope.train import sharded
 
 log = logging.getLogger("hope.train")
-CHECKPOINT_RE = re.compile(r"^step_(\d{7,})\.pt$")
+CHECKPOINT_RE = re.compile(r"^step_(\d{7,})(\.pt)?$")  # a file (.pt) or a sharded directory
 FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 
 
@@ -38,7 +42,7 @@ FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 # and micro-batch size change only the order of floating-point sums).
 OBSERVATION_KNOBS = (
     "log_every", "checkpoint_every", "keep_checkpoints", "wandb_mode", "wandb_project",
-    "nproc_per_node", "nnodes", "parallel",
+    "nproc_per_node", "nnodes", "parallel", "checkpoint_format",
 )  # fmt: skip
 
 
@@ -56,12 +60,45 @@ def checkpoint_path(ckpt_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Checkpoint files in ``ckpt_dir``, oldest step first (temp files are ignored)."""
+    """Checkpoints in ``ckpt_dir``, files and sharded directories, oldest step first
+    (temp files and staging directories are ignored)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in ckpt_dir.iterdir()
+        if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir() == (m.group(2) is None)
+    ]
     return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(ckpt_dir: Path, step: int) -> Path | None:
+    """The checkpoint of ``step`` (either kind), or None."""
+    return next((p for p in list_checkpoints(ckpt_dir) if step_of(p) == step), None)
+
+
+def step_of(path: Path) -> int:
+    match = CHECKPOINT_RE.match(path.name)
+    assert match is not None, path
+    return int(match.group(1))
+
+
+def remove_checkpoint(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+        digest_path(path).unlink(missing_ok=True)
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and staging left by a crash."""
+    paths = list_checkpoints(ckpt_dir)
+    for old in paths[: max(len(paths) - keep, 0)]:
+        remove_checkpoint(old)
+    for stale in Path(ckpt_dir).glob(".step_*.staging"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -121,16 +158,35 @@ def save_checkpoint(ckpt_dir: Path, step: int, payload: dict[str, Any], keep: in
     path = checkpoint_path(ckpt_dir, step)
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
     atomic_write_text(digest_path(path), f"{sha256_file(path)}  {path.name}\n")
-    for old in list_checkpoints(ckpt_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-        digest_path(old).unlink(missing_ok=True)
+    prune(ckpt_dir, keep)
     return path
+
+
+def save_sharded(
+    ckpt_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any] | None,
+    keep: int = 2,
+) -> Path:
+    """``step_{step:07d}/`` through ``sharded.save`` (every rank; rank 0 passes
+    ``train_state``), then, on rank 0, all but the newest ``keep`` checkpoints go."""
+    if keep < 1:
+        raise ValueError(f"train.keep_checkpoints={keep} must be >= 1")
+    final = Path(ckpt_dir) / f"step_{step:07d}"
+    sharded.save(final, model, optimizer, train_state)
+    if train_state is not None:
+        prune(ckpt_dir, keep)
+    return final
 
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` cannot be trusted (its recorded sha256 differs), or None. A file
     without a digest (a kill between the two renames, or an older run) is judged by
     whether it loads."""
+    if path.is_dir():
+        return sharded.problem(path)
     digest = digest_path(path)
     if not digest.is_file():
         return None
@@ -141,13 +197,19 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint's payload; a sharded one's model and optimizer stay on disk
+    (``payload["sharded"]`` names the directory; ``state_dicts.load`` reads them)."""
     if (problem := checkpoint_problem(path)) is not None:
         raise StageError(f"{path}: corrupt checkpoint ({problem})")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+        if path.is_dir():
+            payload = {**sharded.read_train_state(path, map_location), "sharded": str(path)}
+        else:
+            payload = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise StageError(f"{path}: cannot read checkpoint: {err}") from None
-    if not isinstance(payload, dict) or "model" not in payload or "config" not in payload:
+    has_weights = "model" in payload or "sharded" in payload
+    if not isinstance(payload, dict) or not has_weights or "config" not in payload:
         raise StageError(f"{path}: not a training checkpoint (missing model/config)")
     return payload
 
@@ -180,9 +242,9 @@ def load_model(
     """Rebuild the model of the newest intact checkpoint (or the one of ``step``) from
     its config and weights."""
     if step is not None:
-        path = checkpoint_path(Path(ckpt_dir), step)
-        if not path.is_file():
-            kept = ", ".join(str(int(p.stem[5:])) for p in list_checkpoints(Path(ckpt_dir)))
+        path = find_checkpoint(Path(ckpt_dir), step) or checkpoint_path(Path(ckpt_dir), step)
+        if not path.exists():
+            kept = ", ".join(str(step_of(p)) for p in list_checkpoints(Path(ckpt_dir)))
             raise StageError(
                 f"no checkpoint of step {step} in {ckpt_dir} (kept: {kept or 'none'}; "
                 "train.checkpoint_every and train.keep_checkpoints decide which are kept)"
@@ -191,12 +253,13 @@ def load_model(
     else:
         found = latest_intact(Path(ckpt_dir), map_location)
         if found is None:
-            raise StageError(
-                f"no checkpoint (step_*.pt) in {ckpt_dir}; run `python stages/train.py`"
-            )
+            raise StageError(f"no checkpoint (step_*) in {ckpt_dir}; run `python stages/train.py`")
         _, payload = found
     cfg = config_from_dict(payload["config"])
     model = build_model(cfg.model).to(map_location)
-    model.load_state_dict(payload["model"])
+    if "sharded" in payload:
+        sharded.load_weights(Path(payload["sharded"]), model)
+    else:
+        model.load_state_dict(payload["model"])
     model.eval()
     return model, cfg, int(payload["step"])

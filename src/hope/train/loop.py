@@ -103,9 +103,7 @@ class Trainer:
                 latest.name,
             )
             if self.env.is_main:
-                for path in ckpt.list_checkpoints(self.ckpt_dir):
-                    path.unlink()
-                    ckpt.digest_path(path).unlink(missing_ok=True)
+                ckpt.prune(self.ckpt_dir, keep=0)
             return
         self.restore(payload)
         log.info("resuming from step %d (%s)", self.step, latest.name)
@@ -174,14 +172,21 @@ class Trainer:
         return int(dist_env.all_reduce_sum(self.watch.count.clone(), self.env).item())
 
     def save(self) -> None:
+        keep = self.cfg.train.keep_checkpoints
+        if self.cfg.train.checkpoint_format == "sharded":  # every rank writes its shards
+            state = self.train_state() if self.env.is_main else None
+            ckpt.save_sharded(self.ckpt_dir, self.step, self.model, self.optimizer, state, keep)
+            return
         # Every rank: under FSDP gathering the shards is a collective.
         model_sd, optim_sd = state_dicts.gather(self.model, self.optimizer, self.by_name)
-        if not self.env.is_main:  # rank 0 holds the whole state
-            return
-        payload = {
-            "model": model_sd,
-            "optimizer": optim_sd,
-            "optimizer_layout": state_dicts.layout(self.by_name),
+        if self.env.is_main:  # rank 0 holds the whole state
+            payload = {"model": model_sd, "optimizer": optim_sd, **self.train_state()}
+            payload["optimizer_layout"] = state_dicts.layout(self.by_name)
+            ckpt.save_checkpoint(self.ckpt_dir, self.step, payload, keep)
+
+    def train_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the model and optimizer (rank 0's)."""
+        return {
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "step": self.step,
@@ -199,7 +204,6 @@ class Trainer:
             "nan_skipped": self.skipped,
             "interval_skipped": self.interval_skipped,
         }
-        ckpt.save_checkpoint(self.ckpt_dir, self.step, payload, self.cfg.train.keep_checkpoints)
 
     def run(self) -> dict[str, Any]:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -200,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="pilot")
     parser.add_argument("--gpu-mem-gb", type=float, default=80.0)
     parser.add_argument("--gpus", type=int, default=8, help="GPUs in all (data parallel)")
-    parser.add_argument("--fsdp", action="store_true", help="shard the model state (FSDP2)")
+    fsdp_help = "shard the model state (FSDP2; implied by train.parallel=fsdp)"
+    parser.add_argument("--fsdp", action="store_true", help=fsdp_help)
     parser.add_argument("--lengths", default="128,256,512", help="measured T: fit, fit, check")
     parser.add_argument("--set", action="append", default=[], help="a config override")
     args = parser.parse_args(argv)
@@ -218,11 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     amp = torch.bfloat16 if cfg.train.precision in ("bf16", "auto") else None
     acts = measure(cfg, lengths, amp)  # type: ignore[arg-type]
-    plan = make_plan(cfg, acts, args.gpu_mem_gb, args.gpus, args.fsdp)
+    fsdp = args.fsdp or cfg.train.parallel == "fsdp"  # the mid/target presets set it
+    plan = make_plan(cfg, acts, args.gpu_mem_gb, args.gpus, fsdp)
     print(
         f"{args.preset} ({cfg.model.variant}, {plan.params / 1e6:.1f}M parameters, "
         f"T={cfg.data.seq_len}, batch {cfg.train.batch_size} on {args.gpus} GPU(s) of "
-        f"{args.gpu_mem_gb:g} GB{', FSDP' if args.fsdp else ''}):\n"
+        f"{args.gpu_mem_gb:g} GB{', FSDP' if fsdp else ''}):\n"
         f"  model state {plan.state_gib:.2f} GiB per GPU; activations "
         f"{plan.activations_gib_per_row:.2f} GiB per row "
         f"(check at T={lengths[2]}: {plan.holdout_error:+.1%})"

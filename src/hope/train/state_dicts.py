@@ -13,6 +13,7 @@ model and optimizer on the CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from hope.train import sharded
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 LOAD_FULL = StateDictOptions(full_state_dict=True)
@@ -63,7 +66,11 @@ def load(
     by_name: bool,
     rebuild: Rebuild,
 ) -> None:
-    """Load ``payload["model"]`` and ``payload["optimizer"]`` (of either layout)."""
+    """Load ``payload["model"]`` and ``payload["optimizer"]`` (of either layout), or a
+    sharded checkpoint's (``payload["sharded"]``, every rank reads its own part)."""
+    if "sharded" in payload:
+        sharded.load(Path(payload["sharded"]), model, optimizer)
+        return
     model_sd, optim_sd = payload["model"], payload["optimizer"]
     saved = payload.get("optimizer_layout", "by_index")
     if saved == layout(by_name) == "by_index":
