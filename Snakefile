@@ -15,7 +15,7 @@ configfile: "params.yaml"
 
 sys.path.insert(0, "src")
 from hope.config import load_config  # noqa: E402
-from hope.train.launch import slurm_resources, srun_prefix  # noqa: E402
+from hope.train.launch import eval_resources, slurm_resources, srun_prefix  # noqa: E402
 
 CFG = load_config("params.yaml")
 PRESET = f"configs/presets/{config['preset']}.yaml"
@@ -110,6 +110,8 @@ rule eval:
         "reports/eval_meta.json",
         "reports/eval_config.yaml",
     threads: CFG.train.num_threads
+    resources:
+        **eval_resources(CFG),
     shell:
         "python stages/eval.py"
 
@@ -126,6 +128,8 @@ rule zeroshot:
         "reports/zeroshot.json",
         "reports/zeroshot_meta.json",
     threads: CFG.train.num_threads
+    resources:
+        **eval_resources(CFG),
     shell:
         "python stages/zeroshot.py"
 
@@ -141,6 +145,8 @@ rule niah:
         "reports/niah_meta.json",
         "reports/niah_heatmap.png",
     threads: CFG.train.num_threads
+    resources:
+        **eval_resources(CFG),
     shell:
         "python stages/niah.py"
 
@@ -156,6 +162,8 @@ rule longctx:
         "reports/longctx_meta.json",
         "reports/longctx.png",
     threads: CFG.train.num_threads
+    resources:
+        **eval_resources(CFG),
     shell:
         "python stages/longctx.py"
 
@@ -170,6 +178,8 @@ rule continual:
         "reports/continual_meta.json",
         "reports/continual.png",
     threads: CFG.train.num_threads
+    resources:
+        **eval_resources(CFG),
     shell:
         "python stages/continual.py"
 
@@ -236,5 +246,7 @@ rule recall:
         "reports/recall.json",
         "reports/recall_meta.json",
     threads: CFG.recall.num_threads
+    resources:
+        **eval_resources(CFG),
     shell:
         "python stages/recall.py"

@@ -162,6 +162,10 @@ def test_the_train_rule_asks_slurm_for_params_nodes_and_gpus() -> None:
         "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 ",
     )
     assert resources("train.nnodes=2")[0] == two_nodes
+    # The evaluation rules: one process on train.device.
+    assert launch.eval_resources(hope.load_config(None)) == {}
+    assert launch.eval_resources(hope.load_config(None, ["train.device=cuda"])) == {"gpu": 1}
+    assert launch.eval_resources(hope.load_config(None, ["train.device=auto"])) == {"gpu": 1}
 
 
 LONG = ("train.steps=30", "train.checkpoint_every=5", "train.keep_checkpoints=20")

@@ -27,7 +27,7 @@ import yaml
 
 from conftest import ROOT, copy_repo, pipeline_env, run, set_params
 from hope.config import load_config
-from hope.train.launch import slurm_resources
+from hope.train.launch import eval_resources, slurm_resources
 
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"
 PROFILE = ROOT / "configs" / "slurm" / "config.yaml"
@@ -97,9 +97,11 @@ def _expected_resources(rule: str, repo: Path) -> dict[str, object]:
     resources.update(profile.get("set-resources", {}).get(rule, {}))
     assert "cpus_per_task" not in resources, "CPUs must follow the params' thread counts"
     cfg = load_config(repo / "params.yaml")
-    if rule == "train":  # GPUs and nodes come from params, not from the profile
-        assert "gpu" not in resources and "nodes" not in resources
+    assert "gpu" not in resources and "nodes" not in resources  # from params, not here
+    if rule == "train":
         resources.update(slurm_resources(cfg))
+    elif rule in ("eval", "zeroshot", "niah", "longctx", "continual", "recall"):
+        resources.update(eval_resources(cfg))
     threads = {
         "tokenizer": cfg.tokenizer.num_threads,
         "shard": cfg.tokenizer.num_threads,
@@ -254,8 +256,8 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
         gpu = expected.get("gpu")
         assert options.get("--gpus") == (str(gpu) if gpu else None), rule
         assert "--gres" not in options, rule
-    # The tiny preset trains on the CPU (train.device=cpu): its train job holds no GPU.
-    assert "--gpus" not in by_rule["train"][0] and by_rule["eval"][0]["--gpus"] == "1"
+    # The tiny preset runs on the CPU (train.device=cpu): no job holds a GPU.
+    assert not any("--gpus" in jobs[0] for jobs in by_rule.values())
     for cpu_rule in ("download", "tokenizer", "shard"):
         assert "--gpus" not in by_rule[cpu_rule][0]
 

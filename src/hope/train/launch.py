@@ -117,6 +117,12 @@ def slurm_resources(cfg: Config) -> dict[str, int | str]:
     return resources
 
 
+def eval_resources(cfg: Config) -> dict[str, int | str]:
+    """An evaluation rule's resources: one process on ``train.device``, so one GPU
+    unless that is the CPU."""
+    return {"gpu": 1} if on_gpus(cfg) else {}
+
+
 def srun_prefix(cfg: Config) -> str:
     """What the train rule's command starts with: on several nodes, one task per node."""
     nnodes = cfg.train.nnodes
