@@ -131,6 +131,14 @@ def tiny_lm(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:
     return hope.build_model(cfg.model).to(torch.float64)
 
 
+F64 = torch.float64
+
+
+def rand64(*shape: int, seed: int = 1) -> torch.Tensor:
+    """A float64 standard-normal tensor, a pure function of (shape, seed)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
 def rand_tokens(batch: int, length: int, seed: int = 1, vocab: int = TINY_VOCAB) -> torch.Tensor:
     """Token ids [batch, length] drawn from a seeded generator."""
     gen = torch.Generator().manual_seed(seed)

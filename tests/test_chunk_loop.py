@@ -13,10 +13,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from conftest import F64
 from hope.memory.chunk_loop import LoopPolicy, chunk_sizes, run_chunks
 from hope.memory.pieces import PieceGrid
-
-F64 = torch.float64
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 
+from conftest import F64
+from conftest import rand64 as rand
 from hope.memory.cms import CMSLevel, chunk_grad_sums
 from hope.memory.cms_chain import CMS, split_hidden
 from hope.memory.cms_naive import naive_online_chain, naive_online_level
@@ -22,7 +24,6 @@ from hope.optim.inner import (
     PrecondMomentumRule,
 )
 
-F64 = torch.float64
 DIM, HIDDEN = 5, 7
 
 
@@ -30,10 +31,6 @@ def make_level(period: int = 3, rule: InnerRule | None = None, **kw: object) -> 
     torch.manual_seed(0)
     rule = GDRule(0.2) if rule is None else rule
     return CMSLevel(DIM, HIDDEN, period, rule, init_std=0.4, **kw).to(F64)  # type: ignore[arg-type]
-
-
-def rand(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 RULES = {

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import hope
-from conftest import tiny_lm
+from conftest import F64, tiny_lm
+from conftest import rand64 as rand
 from hope.errors import ConfigError
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_naive import naive_online_level
 from hope.model.lm import LanguageModel
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule, OrthoMomentumRule
 
-F64 = torch.float64
 DIM, HIDDEN, PERIOD = 5, 7, 3
 RULES = {
     "gd": lambda: GDRule(0.2, retention=0.9),
@@ -27,10 +27,6 @@ RULES = {
     "dgd_erase": lambda: DGDRule(0.1, erase=0.02, retention=0.97, beta=0.5),
     "orthogonal": lambda: OrthoMomentumRule(0.05, beta=0.7),
 }
-
-
-def rand(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def make_level(rule: InnerRule, adaptive: bool = True, gate_seed: int | None = 3) -> CMSLevel:

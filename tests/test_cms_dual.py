@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import F64
+from conftest import rand64 as rand
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
 
-F64 = torch.float64
 DIM, HIDDEN = 5, 7
 
 LINEAR_RULES = {
@@ -21,10 +22,6 @@ LINEAR_RULES = {
     "gd_retention": lambda: GDRule(0.2, retention=0.9),
     "momentum": lambda: MomentumRule(0.1, retention=0.95, beta=0.8),
 }
-
-
-def rand(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 Run = tuple[torch.Tensor, tuple[torch.Tensor, ...], LevelState]

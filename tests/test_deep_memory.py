@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import rand64 as rand
 from hope.memory.deep_mlp import (
     DeepFastWeights,
     DeepMemoryInit,
@@ -26,12 +27,7 @@ from hope.memory.residual_mlp import (
     mlp_apply,
 )
 
-F64 = torch.float64
 B, H, C, D, HID = 2, 2, 5, 4, 6
-
-
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def weights(depth: int, seed: int = 0) -> list[torch.Tensor]:

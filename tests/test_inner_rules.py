@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import F64
+from conftest import rand64 as rand
 from hope.config import load_config
 from hope.errors import ConfigError
 from hope.optim.inner import (
@@ -20,17 +22,12 @@ from hope.optim.inner import (
     newton_schulz,
 )
 
-F64 = torch.float64
 B, O, I, C = 2, 3, 4, 5
 
 
 def some(value: torch.Tensor | None) -> torch.Tensor:
     assert value is not None
     return value
-
-
-def rand(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
 
 
 def test_retention_one_keeps_delta_and_below_one_decays_it() -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import hope
-from conftest import TINY_VOCAB, tiny_lm
+from conftest import F64, TINY_VOCAB, tiny_lm
 from hope.memory.fast_state import tensor_leaves
 from hope.model.hope import HopeLM
 from hope.model.lm import LanguageModel, LMState
@@ -28,7 +28,6 @@ from hope.model.memorize import (
 
 VOCAB = TINY_VOCAB
 T = 14  # not a multiple of 4 or 8: a partial last chunk and pending CMS tokens
-F64 = torch.float64
 
 
 def tiny_model(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:

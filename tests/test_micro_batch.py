@@ -14,8 +14,6 @@ from hope.bench.measure import count_host_syncs
 from hope.optim.outer import build_optimizer
 from hope.train.step import evaluate_loss, micro_slices, train_step
 
-F64 = torch.float64
-
 
 def tokens(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (batch, length), generator=torch.Generator().manual_seed(seed))

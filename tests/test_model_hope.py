@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import hope
-from conftest import CLASSIC_SHELL
+from conftest import CLASSIC_SHELL, F64
 from hope.bench.measure import count_host_syncs
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_naive import naive_online_chain
@@ -29,7 +29,6 @@ T = 13  # odd: a partial final piece and pending CMS tokens at the end
 C1 = 4  # cms_periods[0]
 VARIANTS = ("hope", "hope_attention")
 TEACH_MODES = ("teach_pass", "exact_online")
-F64 = torch.float64
 
 
 def tiny_cfg(variant: str, mode: str = "teach_pass", *extra: str) -> hope.Config:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import assert_states_close
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.fast_state import restore_state
 from hope.memory.residual_mlp import mlp_apply
@@ -57,13 +58,6 @@ def _state_tensors(state: SMTState) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_states_close(a: SMTState, b: SMTState, atol: float) -> None:
-    ta, tb = _state_tensors(a), _state_tensors(b)
-    assert ta.keys() == tb.keys() and a.chunks_done == b.chunks_done
-    for name in ta:
-        torch.testing.assert_close(ta[name], tb[name], rtol=0, atol=atol, msg=name)
-
-
 def _param_grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
     names, params = zip(*module.named_parameters(), strict=True)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -91,7 +85,7 @@ def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
     y_fast, s_fast = module(x, backend="torch")
     y_naive, s_naive = module(x, backend="naive")
     torch.testing.assert_close(y_fast, y_naive, rtol=0, atol=1e-10)
-    _assert_states_close(s_fast, s_naive, atol=1e-10)
+    assert_states_close(s_fast, s_naive, atol=1e-10)
     g_fast = _param_grads(module, _loss(y_fast, s_fast))
     g_naive = _param_grads(module, _loss(y_naive, s_naive))
     for name, g in g_fast.items():
@@ -119,7 +113,7 @@ def test_streaming_equals_one_call(splits, overrides):
         y, state = module(piece, state)
         parts.append(y)
     torch.testing.assert_close(torch.cat(parts, dim=1), y_one, rtol=0, atol=1e-12)
-    _assert_states_close(state, s_one, atol=1e-12)
+    assert_states_close(state, s_one, atol=1e-12)
     c_o, c_m = module.cfg.chunk, module.cfg.mem_chunk
     assert s_one.partial.length == T % c_o and s_one.chunks_done == T // c_o
     assert s_one.mem_pending.length == (T - T % c_o) % c_m
@@ -148,7 +142,7 @@ def test_batch_equals_single_runs():
     for b in range(3):
         y_b, s_b = module(x[b : b + 1])
         torch.testing.assert_close(y[b : b + 1], y_b, rtol=0, atol=1e-12)
-        _assert_states_close(state.select(slice(b, b + 1)), s_b, atol=1e-12)
+        assert_states_close(state.select(slice(b, b + 1)), s_b, atol=1e-12)
 
 
 @pytest.mark.parametrize("t", [0, 5, 7, 12])
@@ -264,7 +258,7 @@ def _run_with_grads(
 
 def _assert_same_run(got: Run, ref: Run, atol: float = 1e-12) -> None:
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=atol)
-    _assert_states_close(got[1], ref[1], atol=atol)
+    assert_states_close(got[1], ref[1], atol=atol)
     for name, g in ref[2].items():
         assert g is not None and got[2][name] is not None, name
         torch.testing.assert_close(got[2][name], g, rtol=0, atol=atol, msg=name)

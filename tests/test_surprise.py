@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import F64
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_naive import naive_online_level
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.optim.inner import GDRule
 
-F64 = torch.float64
 DIM = 4
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hope
+from conftest import F64
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.fast_state import detach_state, tensor_leaves
 from hope.memory.pieces import PieceGrid
@@ -21,7 +22,6 @@ from hope.model.teach import IGNORE_INDEX, head_signal, teach_signal, token_ce, 
 VOCAB = 64
 T = 16
 C1 = 2
-F64 = torch.float64
 
 
 def coarse_model(*extra: str, seed: int = 0) -> HopeLM:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import assert_states_close
 from hope.memory.deep_mlp import DeepFastWeights
 from hope.memory.fast_state import restore_state
 from hope.memory.residual_mlp import (
@@ -47,13 +48,6 @@ def _tensors(state: NeuralMemoryState) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_states_close(a: NeuralMemoryState, b: NeuralMemoryState, atol: float) -> None:
-    ta, tb = _tensors(a), _tensors(b)
-    assert ta.keys() == tb.keys() and a.chunks_done == b.chunks_done
-    for name in ta:
-        torch.testing.assert_close(ta[name], tb[name], rtol=0, atol=atol, msg=name)
-
-
 def _param_grads(module: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
     names, params = zip(*module.named_parameters(), strict=True)
     return dict(zip(names, torch.autograd.grad(loss, params, allow_unused=True), strict=True))
@@ -68,7 +62,7 @@ def test_chunked_equals_token_loop_outputs_states_and_grads(overrides):
     y_fast, s_fast = module(x, backend="torch")
     y_naive, s_naive = module(x, backend="naive")
     torch.testing.assert_close(y_fast, y_naive, rtol=0, atol=1e-10)
-    _assert_states_close(s_fast, s_naive, atol=1e-10)
+    assert_states_close(s_fast, s_naive, atol=1e-10)
 
     def loss(y, s):
         return y.pow(2).sum() + sum(t.pow(2).sum() for t in _tensors(s).values())
@@ -92,7 +86,7 @@ def test_compiled_chunk_step_equals_eager():
         runs[backend] = (y, state, _param_grads(module, loss))
     (y_t, s_t, g_t), (y_c, s_c, g_c) = runs["torch"], runs["compile"]
     torch.testing.assert_close(y_c, y_t, rtol=0, atol=1e-12)
-    _assert_states_close(s_c, s_t, atol=1e-12)
+    assert_states_close(s_c, s_t, atol=1e-12)
     for name, g in g_t.items():
         assert g is not None and g_c[name] is not None, name
         torch.testing.assert_close(g_c[name], g, rtol=0, atol=1e-12, msg=name)
@@ -105,14 +99,14 @@ def test_batch_equals_single_runs_and_streaming_equals_one_call(depth: int):
     for b in range(3):
         y_b, s_b = module(x[b : b + 1])
         torch.testing.assert_close(y[b : b + 1], y_b, rtol=0, atol=1e-12)
-        _assert_states_close(state.select(slice(b, b + 1)), s_b, atol=1e-12)
+        assert_states_close(state.select(slice(b, b + 1)), s_b, atol=1e-12)
     for splits in ([8, 4, T - 12], [3, 6, 1, 5, T - 15], [1] * T):  # on and off the grid
         chained, parts = module.init_state(3), []
         for piece in x.split(splits, dim=1):
             y_part, chained = module(piece, chained)
             parts.append(y_part)
         torch.testing.assert_close(torch.cat(parts, 1), y, rtol=0, atol=1e-12)
-        _assert_states_close(chained, state, atol=1e-12)
+        assert_states_close(chained, state, atol=1e-12)
     assert state.pending.length == T % 4 and state.chunks_done == T // 4
 
 
@@ -122,7 +116,7 @@ def test_a_partial_chunk_is_read_at_once_and_written_when_it_completes():
     assert state.pending.length == 2 and state.chunks_done == 1
     _, written = module(x[:, :4])
     same_context = dataclasses.replace(state, pending=written.pending, conv_tail=written.conv_tail)
-    _assert_states_close(same_context, written, atol=0)  # the pending tokens wrote nothing
+    assert_states_close(same_context, written, atol=0)  # the pending tokens wrote nothing
     _, completed = module(_x(seq=2, seed=5), state)
     assert completed.pending.length == 0 and completed.chunks_done == 2
     assert (completed.memory.w1 - state.memory.w1).abs().max() > 1e-6
@@ -297,7 +291,7 @@ def test_checkpointed_chunk_loop_equals_the_plain_one(span, overrides):
         runs.append((torch.cat([y1, y2], dim=1), end, dict(zip((*names, "x"), grads, strict=True))))
     (y, state, grads), (ref_y, ref_state, ref_grads) = runs
     torch.testing.assert_close(y, ref_y, rtol=0, atol=1e-12)
-    _assert_states_close(state, ref_state, atol=1e-12)
+    assert_states_close(state, ref_state, atol=1e-12)
     for name, g in ref_grads.items():
         assert g is not None and grads[name] is not None, name
         torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-12, msg=name)
