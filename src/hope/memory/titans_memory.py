@@ -241,13 +241,14 @@ class NeuralMemory(nn.Module):
                 torch.cat((old, new), dim=2)
                 for old, new in zip(state.pending.parts(), stream, strict=True)
             ]
-        # Chunk j of the call's reads is q's j-th part; it writes the stream's j-th part
-        # (the first one led by the pending tokens).
+        # Chunk j reads q's tokens [first_j, first_j + size_j) of this call and writes the
+        # stream's tokens up to held + first_j + size_j (chunk 0 from the pending ones).
+        # Plain slices: a split would add a gradient-assembly op per part in backward.
         sizes = chunk_sizes(held, seq, self.cfg.chunk)
-        n_written = len(sizes) - (1 if (held + seq) % self.cfg.chunk else 0)
-        q_parts = q.split(sizes, dim=2)
-        stream_parts = [t.split([held + sizes[0], *sizes[1:]], dim=2) for t in stream]
-        chunks = [(sum(sizes[:j]), j) for j in range(n_written)]
+        complete = held + seq - (held + seq) % self.cfg.chunk  # stream tokens written
+        firsts = [sum(sizes[:j]) for j in range(len(sizes))]
+        chunks = [(first, size) for first, size in zip(firsts, sizes, strict=True)]
+        chunks = [c for c in chunks if held + c[0] + c[1] <= complete]
         # backend "compile": the whole chunk step (read, curvature, factors, write) in
         # one compiled graph, its write on the plain closed form.
         chunk_step = (
@@ -255,10 +256,12 @@ class NeuralMemory(nn.Module):
         )
         write_backend = "torch" if backend == "compile" else backend
 
-        def step(carry: _Carry, start: int, j: int) -> tuple[_Carry, Tensor]:
-            k_c, v_c, theta_c, eta_c, alpha_c = (part[j] for part in stream_parts)
+        def step(carry: _Carry, first: int, size: int) -> tuple[_Carry, Tensor]:
+            lo = 0 if first == 0 else held + first
+            k_c, v_c, theta_c, eta_c, alpha_c = (t[:, :, lo : held + first + size] for t in stream)
+            q_c = q[:, :, first : first + size]
             fast, read = chunk_step(
-                self, carry.fast, q_parts[j], k_c, v_c, theta_c, eta_c, alpha_c, write_backend
+                self, carry.fast, q_c, k_c, v_c, theta_c, eta_c, alpha_c, write_backend
             )
             return _Carry(fast, carry.chunks_done + 1), read
 
@@ -266,10 +269,9 @@ class NeuralMemory(nn.Module):
             step, _Carry(state.memory, state.chunks_done), chunks, self.policy
         )
         fast = carry.fast
-        if n_written < len(sizes):  # the partial chunk: read now, written by a later call
-            reads.append(self.read(fast, q_parts[-1]))
-        kept = slice(None) if n_written < len(sizes) else slice(0, 0)  # the partial chunk
-        pending = PendingChunk(*(part[-1][:, :, kept] for part in stream_parts))
+        if complete < held + seq:  # the partial chunk: read now, written by a later call
+            reads.append(self.read(fast, q[:, :, max(complete - held, 0) :]))
+        pending = PendingChunk(*(t[:, :, complete:] for t in stream))
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         return self.w_o(out), NeuralMemoryState(fast, tail, pending, carry.chunks_done)
 
