@@ -9,10 +9,11 @@ import torch
 
 from conftest import F64
 from conftest import rand64 as rand
-from hope.memory.cms import CMSLevel, chunk_grad_sums
+from hope.memory.cms import CMSLevel
 from hope.memory.cms_chain import CMS, split_hidden
-from hope.memory.cms_naive import naive_online_chain, naive_online_level
 from hope.memory.fast_state import restore_state
+from hope.memory.ops.cms_online import naive_online_chain, naive_online_level
+from hope.memory.ops.cms_scan import chunk_grad_sums
 from hope.model.config import ModelConfig
 from hope.optim.inner import (
     DeepMomentumRule,

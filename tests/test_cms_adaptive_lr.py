@@ -16,7 +16,7 @@ from conftest import F64, tiny_lm
 from conftest import rand64 as rand
 from hope.errors import ConfigError
 from hope.memory.cms import CMSLevel
-from hope.memory.cms_naive import naive_online_level
+from hope.memory.ops.cms_online import naive_online_level
 from hope.model.lm import LanguageModel
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule, OrthoMomentumRule
 

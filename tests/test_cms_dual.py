@@ -1,4 +1,4 @@
-"""The dual CMS read (hope.memory.cms_dual) equals the materialised per-chunk read:
+"""The dual CMS read (hope.memory.ops.cms_dual) equals the materialised per-chunk read:
 outputs, meta-gradients and written state, float64 (MECHANISMS §8.3b "dual form")."""
 
 from __future__ import annotations

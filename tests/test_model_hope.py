@@ -14,8 +14,8 @@ import hope
 from conftest import CLASSIC_SHELL, F64
 from hope.bench.measure import count_host_syncs
 from hope.memory.cms import CMSLevel
-from hope.memory.cms_naive import naive_online_chain
 from hope.memory.fast_state import detach_state, tensor_leaves
+from hope.memory.ops.cms_online import naive_online_chain
 from hope.memory.pieces import PieceGrid
 from hope.model.hope import HopeBlock, HopeLM
 from hope.model.lm import LMState

@@ -7,7 +7,7 @@ import torch
 
 from conftest import F64
 from hope.memory.cms import CMSLevel
-from hope.memory.cms_naive import naive_online_level
+from hope.memory.ops.cms_online import naive_online_level
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.optim.inner import GDRule
 

@@ -35,31 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hope.layers import gelu_backward
-from hope.memory.cms_dual import dual_teach_read
 from hope.memory.cms_state import ChunkDeltas, ChunkLayout, LevelState
+from hope.memory.ops.cms_dual import dual_teach_read
+from hope.memory.ops.cms_scan import scan_chunk_deltas
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
 from hope.optim.inner import InnerRule
 
 Layout = Literal["chain", "independent"]
 ReadForm = Literal["auto", "dual", "materialized"]
-
-
-def chunk_grad_sums(
-    inputs: Tensor, teach: Tensor, w_in: Tensor, w_out: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Chunk-summed gradients of Σ_t ⟨MLP(a_t), δ_t⟩ as rank-1 sums over t.
-
-    inputs a, teach δ [..., C, d]; w_in [..., h, d]; w_out [..., d, h] (leading dims
-    broadcast, so θ0 alone or per-sample θ0 + Δ both work).
-    Returns G_in [..., h, d], G_out [..., d, h], hidden h [..., C, h] (the W_out inputs).
-    """
-    pre = inputs @ w_in.transpose(-1, -2)  # z [..., C, h]
-    hidden = F.gelu(pre)
-    g_out = teach.transpose(-1, -2) @ hidden  # Σ_t δ_t h_tᵀ  [..., d, h]
-    back = gelu_backward(teach @ w_out, pre)  # W_outᵀδ_t ⊙ gelu′(z_t)  [..., C, h]
-    g_in = back.transpose(-1, -2) @ inputs  # [..., h, d]
-    return g_in, g_out, hidden
 
 
 class CMSLevel(nn.Module):
@@ -287,9 +270,8 @@ class CMSLevel(nn.Module):
         """The per-chunk weight stacks of a laid-out call, and the new state."""
         # Graph through the scan only for the rate gate (adaptive_lr; see _fast).
         with torch.set_grad_enabled(self.adaptive_lr and torch.is_grad_enabled()):
-            deltas_in, deltas_out, final = self._scan(
-                layout.inputs, layout.teach, layout.gates, state, layout.n_fire
-            )
+            w_in, w_out = (w.detach().to(layout.inputs.dtype) for w in (self.w_in, self.w_out))
+            deltas_in, deltas_out, final = scan_chunk_deltas(w_in, w_out, self.rule, layout, state)
         n_read = layout.inputs.shape[1]
         in_force = ChunkDeltas(
             torch.stack(deltas_in[:n_read], dim=1),
@@ -298,30 +280,6 @@ class CMSLevel(nn.Module):
             self.period,
         )
         return in_force, self._advance(final, layout)
-
-    def _scan(
-        self,
-        inputs_c: Tensor,
-        teach_c: Tensor,
-        gates: Tensor | None,
-        state: LevelState,
-        n_fire: int,
-    ) -> tuple[list[Tensor], list[Tensor], LevelState]:
-        """Exclusive scan over chunks: Δ_0 = state, Δ_{j+1} = rule(Δ_j, chunk j)."""
-        w_in, w_out = self.w_in.detach().to(inputs_c.dtype), self.w_out.detach().to(inputs_c.dtype)
-        d_in, d_out, m_in, m_out = state.delta_in, state.delta_out, state.mom_in, state.mom_out
-        deltas_in, deltas_out = [d_in], [d_out]
-        for j in range(n_fire):
-            # The gradient at the chunk-start weights (NL eq. 31), [B, ., .].
-            cur_in, cur_out = w_in + d_in, w_out + d_out
-            g_in, g_out, hidden = chunk_grad_sums(inputs_c[:, j], teach_c[:, j], cur_in, cur_out)
-            gate = None if gates is None else gates[:, j]
-            d_in, m_in = self.rule.step(d_in, m_in, g_in, inputs_c[:, j], cur_in, gate)
-            d_out, m_out = self.rule.step(d_out, m_out, g_out, hidden, cur_out, gate)
-            deltas_in.append(d_in)
-            deltas_out.append(d_out)
-        final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
-        return deltas_in, deltas_out, final
 
     def write(
         self, x_norm: Tensor, teach: Tensor, state: LevelState, **kwargs: object
