@@ -258,8 +258,9 @@ class CMSLevel(nn.Module):
     ) -> tuple[ChunkDeltas, LevelState]:
         """Write the call's tokens: the deltas in force per chunk and the new state.
 
-        x_norm, teach δ [B, T, d] (both treated as constants); teach_mask, token_loss,
-        token_entropy [B, T]. Chunk 0 starts with the P pending tokens of ``state``.
+        x_norm, teach δ [B, T, d] (both treated as constants); token_loss,
+        token_entropy [B, T] (the surprise metric's inputs). Chunk 0 starts with the P
+        pending tokens of ``state``.
         """
         layout = self._layout(x_norm, teach, state, token_loss, token_entropy)
         return self._materialised(layout, state)
