@@ -36,10 +36,11 @@ def test_params_yaml_lists_every_knob_exactly() -> None:
 def test_params_yaml_is_the_tiny_preset_resolved() -> None:
     """The repository's params.yaml is generated: the values a run uses, each default
     still written once (dataclasses, presets). After changing a default, regenerate it."""
-    assert PARAMS.read_text() == params_text("tiny"), (
+    tree = yaml.safe_load(PARAMS.read_text())
+    assert tree == yaml.safe_load(params_text("tiny")), (
         "params.yaml is stale: run `hope params --preset tiny --write params.yaml`"
     )
-    tree = yaml.safe_load(PARAMS.read_text())
+    assert PARAMS.read_text().startswith(params_text("tiny").split("\npreset:")[0])
     assert tree["model"]["dim"] == Config().model.dim and tree["train"]["steps"] > 0
     assert tree["model"]["vocab_size"] is None  # follows the tokenizer
     assert load_config(PARAMS) == load_config(None, ["preset=tiny"])
