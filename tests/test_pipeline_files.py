@@ -70,18 +70,20 @@ def test_checkpoints_persist_between_runs() -> None:
     assert {"models/checkpoints": {"persist": True}} in outs
 
 
-def test_slurm_profile_requests_gpus_for_eval_and_leaves_train_to_params() -> None:
-    """The evaluation rules ask for a GPU in the profile; the train rule's GPUs and nodes
-    come from params (Snakefile, hope.train.launch.slurm_resources), which a profile
-    entry would override."""
+def test_slurm_profile_leaves_gpus_to_params() -> None:
+    """GPUs come from params in the Snakefile (hope.train.launch): the train rule's
+    (slurm_resources) and the evaluation rules' (eval_resources: one unless
+    train.device is cpu). A profile entry would override them, so it sets none."""
     profile = yaml.safe_load((ROOT / "configs/slurm/config.yaml").read_text())
     assert profile["executor"] == "slurm"
-    for rule in ("eval", "zeroshot", "niah", "longctx", "continual"):
-        resources = profile["set-resources"][rule]
-        assert resources["gpu"] >= 1 and "gpus" not in resources
-    train = profile["set-resources"]["train"]
-    assert not {"gpu", "gpus", "gres", "nodes", "tasks"} & set(train), train
+    for rule, resources in profile["set-resources"].items():
+        assert not {"gpu", "gpus", "gres", "nodes", "tasks"} & set(resources), rule
     assert set(profile["set-resources"]) <= set(_dvc_stages())
+    snakefile = (ROOT / "Snakefile").read_text()
+    for rule in ("eval", "zeroshot", "niah", "longctx", "continual", "recall"):
+        body = snakefile.split(f"\nrule {rule}:\n")[1].split("\nrule ")[0]
+        assert "**eval_resources(CFG)" in body, rule
+    assert "**slurm_resources(CFG)" in snakefile.split("\nrule train:\n")[1].split("\nrule ")[0]
 
 
 def test_dvc_yaml_is_valid_for_dvc(tmp_path: Path) -> None:
