@@ -247,8 +247,8 @@ class NeuralMemory(nn.Module):
         sizes = chunk_sizes(held, seq, self.cfg.chunk)
         complete = held + seq - (held + seq) % self.cfg.chunk  # stream tokens written
         firsts = [sum(sizes[:j]) for j in range(len(sizes))]
-        chunks = [(first, size) for first, size in zip(firsts, sizes, strict=True)]
-        chunks = [c for c in chunks if held + c[0] + c[1] <= complete]
+        # (first call token, size) of each whole chunk; a partial last one is only read.
+        chunks = [(f, n) for f, n in zip(firsts, sizes, strict=True) if held + f + n <= complete]
         # backend "compile": the whole chunk step (read, curvature, factors, write) in
         # one compiled graph, its write on the plain closed form.
         chunk_step = (
