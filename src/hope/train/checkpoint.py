@@ -208,8 +208,8 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
             payload = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         raise StageError(f"{path}: cannot read checkpoint: {err}") from None
-    has_weights = "model" in payload or "sharded" in payload
-    if not isinstance(payload, dict) or not has_weights or "config" not in payload:
+    has_weights = isinstance(payload, dict) and ("model" in payload or "sharded" in payload)
+    if not has_weights or "config" not in payload:
         raise StageError(f"{path}: not a training checkpoint (missing model/config)")
     return payload
 
@@ -242,8 +242,8 @@ def load_model(
     """Rebuild the model of the newest intact checkpoint (or the one of ``step``) from
     its config and weights."""
     if step is not None:
-        path = find_checkpoint(Path(ckpt_dir), step) or checkpoint_path(Path(ckpt_dir), step)
-        if not path.exists():
+        path = find_checkpoint(Path(ckpt_dir), step)
+        if path is None:
             kept = ", ".join(str(step_of(p)) for p in list_checkpoints(Path(ckpt_dir)))
             raise StageError(
                 f"no checkpoint of step {step} in {ckpt_dir} (kept: {kept or 'none'}; "
