@@ -34,7 +34,6 @@ recorded under ``skipped`` with the reason; the bench itself does not fail.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -178,6 +177,8 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
         deterministic=device.type == "cpu",
     )
     setup_runtime(runtime, device, "bench")
+    if bench.memory_backend == "compile" and device.type == "cpu":
+        m.enable_cpu_kernel_events()  # before the first compile: its kernels are counted
     amp_dtype = autocast_dtype(device, bench.precision)
     shape = bench_shape(cfg, shape_name)
     model_cfg = dataclasses.replace(shape.model, variant=variant)  # type: ignore[arg-type]
@@ -201,13 +202,14 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
 
     seconds = m.time_steps(step, bench.warmup, bench.steps, device)
     # On CUDA the profiler counts the kernels of every backend; on a CPU the dispatch
-    # counter sees eager ops only (compiled regions are not dispatched op by op).
-    launches: m.LaunchCounter | m.CudaKernelCounter | None = m.LaunchCounter()
+    # counter sees eager ops only, so compiled regions are counted from the profiler.
+    launches: m.LaunchCounter | m.CudaKernelCounter | m.ProfiledLaunchCounter
+    launches = m.LaunchCounter()
     if device.type == "cuda":
         launches = m.CudaKernelCounter()
     elif bench.memory_backend == "compile":
-        launches = None
-    with launches or contextlib.nullcontext():
+        launches = m.ProfiledLaunchCounter()
+    with launches:
         step(total - 2)  # launches of one step, apart from the sync count (profiler syncs)
     with m.count_host_syncs() as calls:
         loss = step(total - 1)
@@ -230,7 +232,7 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
         "peak_mem_mb": peak_mb,
         "mem_baseline_mb": baseline_mb,
         "host_syncs_per_step": syncs,
-        "launches_per_step": None if launches is None else launches.count,
+        "launches_per_step": launches.count,
         "params": model.num_parameters(),
         "flops_per_token": flops_per_token,
         "achieved_gflops_per_s": flops_per_token * tokens_per_s / 1e9,
