@@ -1,7 +1,8 @@
 """Streaming, batch and causality invariants of every variant and CMS mode, in one harness.
 
 For each (variant, cms_mode), float64, the tiny mechanism shape of ``conftest.tiny_lm``
-(CMS periods 4/8, SMT chunks 2/4, Titans chunk 4; T = 13, so every grid ends partial):
+(CMS periods 4/8, SMT chunks 2/4, Titans chunk 4; T = 13, so every grid ends partial),
+and HOPE's frozen-base reads (SMT write chunks 4, read every 2 tokens):
 
 - read path (``forward``): one call == calls chained at any split == token by token,
   in logits and in the final state (titans_mac: at its segment boundaries only);
@@ -24,10 +25,14 @@ from conftest import TINY_VOCAB, assert_states_close, rand_tokens, select_sample
 from hope.model.lm import LanguageModel, LMState
 
 T = 13
+FROZEN = "/frozen"  # a mode suffix: model.smt_read_chunk inside write chunks (smt_frozen)
+FROZEN_KNOBS = ("model.smt_chunk=4", "model.smt_mem_chunk=4", "model.smt_read_chunk=2")
 C1 = 4  # the finest CMS period of tiny_lm: the teach path's piece grid
 CASES = [
     ("transformer", None),
     *((v, m) for v in ("hope_attention", "hope") for m in ("teach_pass", "exact_online", "static")),
+    # HOPE's throughput mode: M_mem read every 2 tokens inside 4-token write chunks
+    *(("hope", f"{m}{FROZEN}") for m in ("teach_pass", "exact_online")),
     ("titans_lmm", None),
     ("titans_mal", None),
     ("titans_mag", None),
@@ -40,7 +45,10 @@ PIECE_SPLITS = ([4, 8, 1], [8, 5])
 
 
 def _model(variant: str, mode: str | None) -> LanguageModel:
-    return tiny_lm(variant, *((f"model.cms_mode={mode}",) if mode else ()))
+    if mode is None:
+        return tiny_lm(variant)
+    cms_mode, frozen, _ = mode.partition(FROZEN)
+    return tiny_lm(variant, f"model.cms_mode={cms_mode}", *(FROZEN_KNOBS if frozen else ()))
 
 
 def _data(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +97,8 @@ def test_teach_path_streams_on_the_piece_grid(variant: str, mode: str | None) ->
     model = _model(variant, mode)
     x, y = _data()
     run = _paths(model)["teach"]
-    if mode == "teach_pass":  # C1-token calls are the online oracle
-        oracle = _model(variant, "exact_online")
+    if mode is not None and mode.startswith("teach_pass"):  # C1-token calls: the oracle
+        oracle = _model(variant, mode.replace("teach_pass", "exact_online"))
         oracle.load_state_dict(model.state_dict())
         whole, whole_state = oracle.forward_teach(x, y)
         cases: tuple[list[int], ...] = ([C1, C1, C1, 1],)

@@ -120,8 +120,15 @@ def per_piece_gradient(model: HopeLM, x: torch.Tensor, y: torch.Tensor) -> list[
     return deltas
 
 
-def test_pass_a_delta_is_the_per_piece_gradient_with_coarse_smt_chunks() -> None:
-    model = coarse_model()
+# HOPE's frozen-base reads (memory/smt_frozen.py): 8-token write chunks read every C1
+FROZEN = ("model.smt_chunk=8", "model.smt_mem_chunk=8", f"model.smt_read_chunk={C1}")
+
+
+@pytest.mark.parametrize("knobs", [(), FROZEN], ids=["chunked", "frozen"])
+def test_pass_a_delta_is_the_per_piece_gradient_with_coarse_smt_chunks(
+    knobs: tuple[str, ...],
+) -> None:
+    model = coarse_model(*knobs)
     x, y = data()
     signal = teach_signal(model, x, y, model.init_state(2))
     got = [d for layer in signal.deltas for d in layer]
@@ -135,10 +142,11 @@ def test_pass_a_delta_is_the_per_piece_gradient_with_coarse_smt_chunks() -> None
     assert (leaky[0][:, :C1] - got[0][:, :C1]).abs().max() > 1e-8
 
 
-def test_pass_a_delta_of_a_piece_ignores_every_other_piece() -> None:
+@pytest.mark.parametrize("knobs", [(), FROZEN], ids=["chunked", "frozen"])
+def test_pass_a_delta_of_a_piece_ignores_every_other_piece(knobs: tuple[str, ...]) -> None:
     """With a pending offset (the grid shifted against the SMT chunks): δ of piece
     [3, 5) does not move when targets outside it or tokens after it change."""
-    model = coarse_model()
+    model = coarse_model(*knobs)
     x, y = data(length=T + 1)
     _, state = model.forward_teach(x[:, :1], y[:, :1])  # one pending token: offset 1
     assert state.blocks[0].cms[0].pending == 1

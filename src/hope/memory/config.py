@@ -57,6 +57,9 @@ class SMTConfig:
     n_heads: int
     chunk: int  # C_o: tokens per write of the generating memories
     mem_chunk: int  # C_m: tokens per write of M_mem, a multiple of C_o
+    # R: M_mem read every R tokens inside a write chunk, frozen base (smt_frozen);
+    # None: at each chunk's start state (the exact chunked SMT)
+    read_chunk: int | None
     expansion: int  # hidden width of each memory = expansion × head dim
     objective: Objective
     eta_scale: float
@@ -80,6 +83,7 @@ class SMTConfig:
                 f"model.smt_mem_chunk={self.mem_chunk} must be a multiple of "
                 f"model.smt_chunk={self.chunk}",
             ),
+            *self._read_chunk_checks(),
             (0.0 < self.retention_init < 1.0, "model.smt_retention_init must be in (0, 1)"),
             (self.expansion >= 1, f"model.smt_expansion={self.expansion} must be >= 1"),
             (self.conv_window >= 0, f"model.smt_conv_window={self.conv_window} must be >= 0"),
@@ -97,6 +101,29 @@ class SMTConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether M_mem is read inside write chunks (``smt_frozen``)."""
+        return self.read_chunk is not None and self.read_chunk < self.chunk
+
+    def _read_chunk_checks(self) -> list[tuple[bool, str]]:
+        read = self.read_chunk
+        if read is None:
+            return []
+        key = f"model.smt_read_chunk={read}"
+        checks = [(1 <= read <= self.chunk and self.chunk % read == 0,
+                   f"{key} must divide model.smt_chunk={self.chunk}")]  # fmt: skip
+        if read < self.chunk:  # frozen base: one write chunk for every memory
+            checks += [
+                (self.mem_chunk == self.chunk,
+                 f"{key} reads inside write chunks: it needs model.smt_mem_chunk="
+                 f"{self.mem_chunk} equal to model.smt_chunk={self.chunk}"),
+                (self.momentum == 0.0,
+                 f"{key} reads inside write chunks: model.smt_momentum={self.momentum} "
+                 "must be 0 (chunk-level momentum has no state between read chunks)"),
+            ]  # fmt: skip
+        return checks
 
 
 @dataclass(frozen=True)

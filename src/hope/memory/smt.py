@@ -45,14 +45,15 @@ from hope.memory.residual_mlp import (
     Residual,
     chunk_pass,
     mlp_apply,
-    overshoot_ratio,
 )
+from hope.memory.smt_frozen import frozen_segment, read_spans
 from hope.memory.smt_state import (
     CallPlan,
     ChunkCarry,
     Generated,
     MemoryGroup,
     SMTState,
+    bounded_eta,
     join_generated,
     repeat_heads,
     stack_group,
@@ -138,7 +139,7 @@ class SelfModifyingTitans(nn.Module):
         if backend == "naive":
             return tuple(self._group((n,)) for n in self.inits)
         every_chunk = tuple(n for n in self.inits if n != "mem")
-        if self.cfg.chunk == self.cfg.mem_chunk:
+        if self.cfg.chunk == self.cfg.mem_chunk and not self.cfg.frozen:
             return (self._group((*every_chunk, "mem")),)
         return (self._group(every_chunk), self._group(("mem",)))
 
@@ -203,22 +204,6 @@ class SelfModifyingTitans(nn.Module):
         first = (len(group.names) - 1) * heads
         return mlp_apply(fast.w1[:, first:], fast.w2[:, first:], q, True)
 
-    @staticmethod
-    def _bounded_eta(eta: Tensor, coupling: Tensor) -> Tensor:
-        """eta_t / (1 + rho): the inner step of eq. 88 with an overshoot bound.
-
-        A chunk applies C gradients taken at its start state (eq. 90). Where its keys
-        and hidden activations share directions these add up: linearised, the writes
-        move M(k) by -2 J diag(eta) J^T e, and past rho = ``overshoot_ratio`` = 1 they
-        overshoot, the self-generated targets v_hat = M(v) then growing with them
-        (seen as NaN after ~100 outer steps of the tiny preset). Dividing by 1 + rho
-        (rho from the chunk's own ``chunk_kernel_bound``, without a graph) keeps the
-        ratio below 1 and leaves eta unchanged while rho << 1. A deviation;
-        docs/FAITHFULNESS.md.
-        """
-        rho = overshoot_ratio(coupling, eta.detach())  # [B, H]
-        return eta / (1.0 + rho.unsqueeze(-1))
-
     def _write(
         self,
         fast: FastWeights,
@@ -241,7 +226,7 @@ class SelfModifyingTitans(nn.Module):
             self.cfg.objective, residual,
         )  # fmt: skip
         new = dgd_write(
-            fast, k, step.target, self._bounded_eta(eta, step.coupling), alpha,
+            fast, k, step.target, bounded_eta(eta, step.coupling), alpha,
             objective=self.cfg.objective, residual=residual,
             precondition=self.cfg.precondition, momentum=self.cfg.momentum,
             backend=backend, factors=step.factors,
@@ -266,6 +251,29 @@ class SelfModifyingTitans(nn.Module):
                 )
                 read = out if fused else read
         return cast(Tensor, read)
+
+    def _frozen(
+        self,
+        stacks: dict[str, FastWeights],
+        loop: CallPlan,
+        gen: Generated,
+        at: tuple[int, int, int],
+        complete: bool = False,
+    ) -> tuple[Tensor, FastWeights | None]:
+        """M_mem's reads of the segment's new tokens and, when ``complete``, its state
+        after the segment (``smt_frozen``). ``at``: (segment offset and call index of
+        the first new token, the carry's ``live_from``)."""
+        cfg = self.cfg
+        read_chunk = cast(int, cfg.read_chunk)
+        first, start, live_from = at
+        spans = read_spans(
+            first, gen.length, read_chunk, cfg.write_grad == "stopgrad", loop.pieces,
+            start - first, live_from,
+        )  # fmt: skip
+        return loop.segment(
+            stacks[loop.flush.key], gen, spans, complete, read_chunk, cfg.objective,
+            cfg.precondition, loop.backend,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -294,7 +302,8 @@ class SelfModifyingTitans(nn.Module):
             x, tail = self.conv(x, tail, pieces)
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
         plan, smt = self._plan(backend), SelfModifyingTitans
-        loop = CallPlan.build(plan, backend, seq, pieces, smt._generate, smt._write)
+        steps = (smt._generate, smt._write, frozen_segment)
+        loop = CallPlan.build(plan, backend, seq, pieces, steps)
         mem_pending = [state.mem_pending] if state.mem_pending.length else []
         partial = state.partial if state.partial.length else None
         carry = ChunkCarry(
@@ -335,14 +344,25 @@ class SelfModifyingTitans(nn.Module):
             stop < loop.seq and pieces.piece_of(carry.live_from) == pieces.piece_of(stop)
         )
         stacks = carry.stacks
-        fresh = loop.generate(self, stacks, xc, plan, keep)
+        # Frozen reads take k, v, eta, alpha through M_mem's in-segment states.
+        fresh = loop.generate(self, stacks, xc, plan, keep or self.cfg.frozen)
         held = carry.partial
         gen = fresh if held is None else join_generated([held, fresh])
+        at = (gen.length - fresh.length, start, carry.live_from)  # for frozen reads
         if gen.length < self.cfg.chunk:  # read now; written once a later call completes it
             carry.partial = gen
+            if self.cfg.frozen:
+                return carry, self._frozen(stacks, loop, gen, at)[0]
             return carry, self._read(stacks[flush.key], flush, fresh.q)
         carry.partial = None
-        if self.cfg.chunk == self.cfg.mem_chunk:  # every group written every chunk
+        if self.cfg.frozen:  # the chunk is a segment: M_mem read every R tokens inside it
+            with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
+                for group in plan[:-1]:
+                    stacks[group.key] = loop.write(self, stacks[group.key], group, gen, backend)[0]
+            read, final = self._frozen(stacks, loop, gen, at, complete=True)
+            assert final is not None
+            stacks[flush.key] = final if keep else final.detach()
+        elif self.cfg.chunk == self.cfg.mem_chunk:  # every group written every chunk
             read = self._write_all(stacks, loop, gen, keep)
             read = read if held is None else read[:, :, held.length :]
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +20,7 @@ from torch.nn import functional as F
 from hope.memory.fast_state import where_samples
 from hope.memory.ops.dispatch import compiled
 from hope.memory.pieces import PieceGrid
-from hope.memory.residual_mlp import FastWeights
+from hope.memory.residual_mlp import FastWeights, overshoot_ratio
 
 
 @dataclass
@@ -119,6 +120,22 @@ def detach_generated(gen: Generated) -> Generated:
     return Generated(*(getattr(gen, f).detach() for f in FIELDS))
 
 
+def bounded_eta(eta: Tensor, coupling: Tensor) -> Tensor:
+    """eta_t / (1 + rho): the inner step of eq. 88 with an overshoot bound.
+
+    A chunk applies C gradients taken at its start state (eq. 90). Where its keys
+    and hidden activations share directions these add up: linearised, the writes
+    move M(k) by -2 J diag(eta) J^T e, and past rho = ``overshoot_ratio`` = 1 they
+    overshoot, the self-generated targets v_hat = M(v) then growing with them
+    (seen as NaN after ~100 outer steps of the tiny preset). Dividing by 1 + rho
+    (rho from the chunk's own ``chunk_kernel_bound``, without a graph) keeps the
+    ratio below 1 and leaves eta unchanged while rho << 1. A deviation;
+    docs/FAITHFULNESS.md. Tokens with eta = 0 do not enter rho.
+    """
+    rho = overshoot_ratio(coupling, eta.detach())  # [B, H]
+    return eta / (1.0 + rho.unsqueeze(-1))
+
+
 def repeat_heads(t: Tensor, n: int) -> Tensor:
     """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
     return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
@@ -198,6 +215,8 @@ class CallPlan:
     # SelfModifyingTitans._generate / ._write, or their torch.compile'd forms
     generate: Callable[..., Generated]
     write: Callable[..., tuple[FastWeights, Tensor | None]]
+    # smt_frozen.frozen_segment (or its compiled form): M_mem's reads inside a segment
+    segment: Callable[..., tuple[Tensor, FastWeights | None]]
 
     @classmethod
     def build(
@@ -206,13 +225,17 @@ class CallPlan:
         backend: str,
         seq: int,
         pieces: PieceGrid | None,
-        generate: Callable[..., Generated],
-        write: Callable[..., tuple[FastWeights, Tensor | None]],
+        steps: tuple[Callable[..., Generated], Callable[..., Any], Callable[..., Any]],
     ) -> CallPlan:
+        """``steps``: the generation, the write and the frozen-segment read."""
         flush = next(g for g in plan if "mem" in g.names)
+        generate, write, segment = steps
         if backend != "compile":
-            return cls(plan, flush, backend, seq, pieces, generate, write)
+            return cls(plan, flush, backend, seq, pieces, generate, write, segment)
         # Compile the chunk step's generation and writes (fused memory pass,
         # factors, curvature and closed-form update in one graph each), not only
         # the closed form (alone, that was no faster on a 2-core CPU).
-        return cls(plan, flush, "torch", seq, pieces, compiled(generate), compiled(write))
+        return cls(
+            plan, flush, "torch", seq, pieces, compiled(generate), compiled(write),
+            compiled(segment),
+        )  # fmt: skip

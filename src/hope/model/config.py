@@ -94,6 +94,10 @@ class ModelConfig:
     # not divide the CMS periods.
     smt_chunk: int = 16
     smt_mem_chunk: int = 16
+    # Throughput mode (MECHANISMS §8.2, opt-in): read M_mem every smt_read_chunk
+    # tokens inside a write chunk of smt_chunk = smt_mem_chunk tokens, its gradients
+    # frozen at the chunk start (memory/smt_frozen.py). null: the exact chunked SMT.
+    smt_read_chunk: int | None = None
     smt_expansion: int = 2
     smt_objective: Objective = "l2"
     # eta = scale * softplus(M_eta(x)). 1 is NL-arXiv eq. 83 as written (other values
@@ -202,6 +206,7 @@ class ModelConfig:
             n_heads=self.n_heads,
             chunk=self.smt_chunk,
             mem_chunk=self.smt_mem_chunk,
+            read_chunk=self.smt_read_chunk,
             expansion=self.smt_expansion,
             objective=self.smt_objective,
             eta_scale=self.smt_eta_scale,

@@ -1,0 +1,166 @@
+"""Frozen-base reads of the SMT's M_mem inside a write chunk (MECHANISMS §8.2; opt-in).
+
+With ``model.smt_read_chunk`` = R < C (C = ``smt_chunk`` = ``smt_mem_chunk``), a
+write chunk of C tokens is a segment: every memory generates and takes its inner
+gradients at the segment-start state, as for any chunk (eqs. 83, 88), but M_mem is
+read every R tokens at the state its writes of the segment's earlier tokens reached
+(eq. 94, read before write at R-token granularity). That is the token recurrence of
+eq. 88 with the gradients frozen at the segment start: titans-pytorch's parallel
+form, here with the SMT's DGD write. R = C is the exact chunked SMT.
+
+The state before read chunk f is the segment's write restricted to its first
+b = f·R tokens. All boundaries are computed at once, as copies along the head axis of
+one write in which copy f masks the tokens t >= b (eta_t = 0, alpha_t = 1: they
+neither write nor decay, so each masked closed form equals the write of the prefix).
+The overshoot bound of each copy sees only its prefix (masked steps are 0), so a read
+depends on earlier tokens only and a segment streamed over several calls reads what
+one call reads. Per segment: one batched write and one batched read instead of C/R
+sequential chunk steps (fewer kernel launches), for C/R + 1 copies of the write's
+arithmetic. Its quality cost at equal tokens is in docs/FAITHFULNESS.md.
+
+Outer-gradient cuts are per read (``ReadSpan``): under ``write_grad=stopgrad`` a read
+past the segment start sees its state without a graph (as a read after a detached
+write); in teach pass A a read keeps the paths from tokens of its own piece only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from hope.memory.ops.dispatch import dgd_write
+from hope.memory.pieces import PieceGrid
+from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, chunk_pass, mlp_apply
+from hope.memory.smt_state import Generated, bounded_eta, repeat_heads
+
+
+@dataclass(frozen=True)
+class ReadSpan:
+    """Tokens [lo, hi) of a segment that read the state at offset ``bound`` (a multiple
+    of R). The writes of tokens before ``cut`` reach that state without a graph, and
+    ``base_graph`` says whether the segment-start state keeps its graph."""
+
+    bound: int
+    lo: int
+    hi: int
+    cut: int = 0
+    base_graph: bool = True
+
+
+def read_spans(
+    first: int,
+    length: int,
+    read_chunk: int,
+    stopgrad: bool = False,
+    pieces: PieceGrid | None = None,
+    at: int = 0,
+    live_from: int = 0,
+) -> tuple[ReadSpan, ...]:
+    """The reads of the segment tokens [first, length).
+
+    ``pieces`` (teach pass A): ``at`` is the call index of segment token 0 and
+    ``live_from`` the first call token whose contributions the segment-start state
+    holds in graph (``chunk_loop``; >= ``at`` when it holds none). A read keeps the
+    paths from the earlier tokens of its own piece. Where the segment-start state
+    holds graph from another piece (and so do the inputs generated from it), the
+    read's state is detached whole: those within-piece paths are lost too."""
+    spans = []
+    for bound in range(first - first % read_chunk, length, read_chunk):
+        lo, hi = max(bound, first), min(bound + read_chunk, length)
+        runs = [(lo, hi)] if pieces is None else _piece_runs(lo, hi, pieces, at)
+        for a, z in runs:
+            cut, base = (bound, False) if stopgrad and bound > 0 else (0, True)
+            if pieces is not None:
+                piece = pieces.piece_of(at + a)
+                if live_from < at and pieces.piece_of(live_from) != piece:
+                    cut, base = bound, False
+                else:  # tokens of earlier pieces write without a graph
+                    piece_start = piece * pieces.size - pieces.offset - at
+                    cut = max(cut, min(max(piece_start, 0), bound))
+            spans.append(ReadSpan(bound, a, z, cut, base))
+    return tuple(spans)
+
+
+def _piece_runs(lo: int, hi: int, pieces: PieceGrid, at: int) -> list[tuple[int, int]]:
+    """[lo, hi) (segment offsets) cut where a piece of the call's grid ends."""
+    runs, a = [], lo
+    while a < hi:
+        end = (pieces.piece_of(at + a) + 1) * pieces.size - pieces.offset - at
+        runs.append((a, min(hi, end)))
+        a = min(hi, end)
+    return runs
+
+
+def _prefix_gates(eta: Tensor, alpha: Tensor, bounds: list[int]) -> tuple[Tensor, Tensor]:
+    """eta, alpha [B, H, L] -> [B, n*H, L], copy j restricted to tokens < bounds[j]."""
+    batch, heads, length = eta.shape
+    position = torch.arange(length, device=eta.device)
+    limit = torch.tensor(bounds, device=eta.device)
+    inside = (position < limit[:, None])[None, :, None, :]  # [1, n, 1, L]
+    eta_m = torch.where(inside, eta.unsqueeze(1), torch.zeros_like(eta).unsqueeze(1))
+    alpha_m = torch.where(inside, alpha.unsqueeze(1), torch.ones_like(alpha).unsqueeze(1))
+    copies = len(bounds) * heads
+    return eta_m.reshape(batch, copies, length), alpha_m.reshape(batch, copies, length)
+
+
+def _detach_where(t: Tensor, mask: Tensor, copies: int) -> Tensor:
+    """t [B, n*H, ...] (n copies along the head axis): where ``mask`` holds (it
+    broadcasts against [B, n, H, ...]), the values without their graph."""
+    shaped = t.reshape(t.shape[0], copies, -1, *t.shape[2:])
+    return torch.where(mask, shaped.detach(), shaped).reshape(t.shape)
+
+
+def frozen_segment(
+    fast: FastWeights,
+    gen: Generated,
+    spans: tuple[ReadSpan, ...],
+    complete: bool,
+    read_chunk: int,
+    objective: Objective,
+    precondition: bool,
+    backend: str,
+) -> tuple[Tensor, FastWeights | None]:
+    """The reads of ``spans`` and, when ``complete``, M_mem's state after the segment.
+
+    ``fast``: M_mem at the segment start [B, H, ...]; ``gen``: the segment's L tokens
+    generated so far. Returns the reads [B, H, tokens of the spans, d_h] in span order
+    and the state (None while the segment is partial).
+    """
+    heads, length, device = gen.k.shape[1], gen.length, gen.k.device
+    copies = [*spans, ReadSpan(length, length, length)] if complete else list(spans)
+    n = len(copies)
+    step = chunk_pass(fast.w1, fast.w2, gen.v, gen.k, None, objective, True)
+    fac = step.factors
+    k, target, e, a, d, pre = (
+        repeat_heads(t, n) for t in (gen.k, step.target, fac.e, fac.a, fac.d, fac.pre)
+    )
+    base = [repeat_heads(t, n) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
+    eta, alpha = _prefix_gates(gen.eta, gen.alpha, [c.bound for c in copies])
+    if any(c.cut for c in copies):  # tokens before a copy's cut write without a graph
+        cut = torch.tensor([c.cut for c in copies], device=device)
+        early = (torch.arange(length, device=device) < cut[:, None])[None, :, None, :]
+        k, target, e, a, d, pre = (
+            _detach_where(t, early.unsqueeze(-1), n) for t in (k, target, e, a, d, pre)
+        )
+        eta, alpha = (_detach_where(t, early, n) for t in (eta, alpha))
+    if not all(c.base_graph for c in copies):
+        cut_base = torch.tensor([not c.base_graph for c in copies], device=device)
+        base = [_detach_where(t, cut_base.view(1, n, 1, 1, 1), n) for t in base]
+    states = dgd_write(
+        FastWeights(*base), k, target, bounded_eta(eta, repeat_heads(step.coupling, n)),
+        alpha, objective=objective, residual=True, precondition=precondition, momentum=0.0,
+        backend=backend, factors=GradFactors(e, a, d, pre),
+    )  # fmt: skip
+    reads_n = len(spans) * heads
+    # Each span's queries, padded to R tokens: one batched read for all copies.
+    queries = [F.pad(gen.q[:, :, c.lo : c.hi], (0, 0, 0, read_chunk - c.hi + c.lo)) for c in spans]
+    out = mlp_apply(states.w1[:, :reads_n], states.w2[:, :reads_n], torch.cat(queries, 1), True)
+    parts = out.split(heads, dim=1)
+    reads = torch.cat([o[:, :, : c.hi - c.lo] for o, c in zip(parts, spans, strict=True)], 2)
+    if not complete:
+        return reads, None
+    last = (states.w1, states.w2, states.m1, states.m2)
+    return reads, FastWeights(*(t[:, -heads:] for t in last))
