@@ -208,6 +208,21 @@ def test_pilot_chunks_shape_is_the_pilot_chunking_in_one_small_layer() -> None:
         hope.build_model(dataclasses.replace(shape.model, variant=variant))  # type: ignore[arg-type]
 
 
+def test_pilot_frozen_shape_is_pilot_chunks_with_frozen_reads_of_the_pilot_c_m() -> None:
+    cfg = load_config(PARAMS)
+    chunks, frozen = (bench_run.bench_shape(cfg, n) for n in ("pilot_chunks", "pilot_frozen"))
+    assert (frozen.seq_len, frozen.batch_size) == (chunks.seq_len, chunks.batch_size)
+    assert frozen.model.smt_read_chunk == chunks.model.smt_mem_chunk == 16
+    assert frozen.model.smt_chunk == frozen.model.smt_mem_chunk == 64
+    differ = {
+        f.name
+        for f in dataclasses.fields(frozen.model)
+        if getattr(frozen.model, f.name) != getattr(chunks.model, f.name)
+    }
+    assert differ == {"smt_chunk", "smt_mem_chunk", "smt_read_chunk"}
+    assert frozen.record()["smt_read_chunk"] == 16
+
+
 def test_pilot_shape_is_the_pilot_preset_in_two_layers_at_its_context() -> None:
     cfg = load_config(PARAMS)
     pilot = load_config(None, ["preset=pilot"])

@@ -312,16 +312,17 @@ class BenchConfig:
     """The ``bench`` stage: one training step (forward, backward, AdamW) per variant
     at fixed shapes (``tiny``: the preset's model; ``smoke``: the predecessor's smoke
     shape, docs/ANCHORS.md "Speed"; ``pilot_chunks``: one layer with the pilot
-    preset's chunking at T = 1024; ``pilot``, a GPU shape: the pilot preset's dims in two
-    layers at T = 4096). See :mod:`hope.bench.run`."""
+    preset's chunking at T = 1024; ``pilot_frozen``: the same with HOPE's frozen-base
+    reads; ``pilot``, a GPU shape: the pilot preset's dims in two layers at T = 4096).
+    See :mod:`hope.bench.run`."""
 
     variants: list[str] = field(
         default_factory=lambda: ["transformer", "hope_attention", "hope", "titans_mac"]
     )
-    shapes: list[Literal["tiny", "smoke", "pilot_chunks", "pilot"]] = field(
-        default_factory=lambda: ["tiny", "smoke", "pilot_chunks"]
+    shapes: list[Literal["tiny", "smoke", "pilot_chunks", "pilot_frozen", "pilot"]] = field(
+        default_factory=lambda: ["tiny", "smoke", "pilot_chunks", "pilot_frozen"]
     )
-    batch_size: int = 8  # tiny shape only; smoke is fixed at batch 4, pilot_chunks 1, pilot 4
+    batch_size: int = 8  # tiny only; smoke is fixed at batch 4, pilot_chunks/_frozen 1, pilot 4
     warmup: int = 2
     steps: int = 5
     seed: int = 0

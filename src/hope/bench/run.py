@@ -19,6 +19,8 @@ Shapes:
   16/64/256, SMT chunks 8/16, expansion 4, Titans chunk 64 and window 1024, head
   dim 64) in one layer of dim 128 at T = 1024, batch 1: the launches a paper-scale
   step pays per layer, at a size a CPU measures in seconds.
+- ``pilot_frozen``: ``pilot_chunks`` with HOPE's throughput mode (SMT write chunks of
+  64 tokens, M_mem read every 16 inside them; ``memory/smt_frozen.py``).
 - ``pilot``: the pilot preset's dims and chunking (dim 1024, 16 heads, vocab
   32,000) in two layers at T = 4096, batch 4: a GPU shape (scripts/gpu_check.sh).
 
@@ -91,6 +93,15 @@ PILOT_CHUNKS_MODEL: dict[str, Any] = {
     "titans_window": 1024,
 }
 PILOT_CHUNKS_SEQ_LEN = 1024
+# HOPE's throughput mode at that shape (memory/smt_frozen.py): the SMT written every
+# 64 tokens, M_mem read every 16 (the pilot's C_m) inside each write; other variants
+# are the same models as at pilot_chunks, measured again for the ratios.
+PILOT_FROZEN_MODEL: dict[str, Any] = {
+    **PILOT_CHUNKS_MODEL,
+    "smt_chunk": 64,
+    "smt_mem_chunk": 64,
+    "smt_read_chunk": 16,
+}
 # The pilot preset's dims and chunking in two layers at its context (a GPU shape:
 # scripts/gpu_check.sh; far too slow for a CPU).
 PILOT_MODEL: dict[str, Any] = {
@@ -114,7 +125,12 @@ class Shape:
 
     def record(self) -> dict[str, Any]:
         """The exact shape, for the report: model knobs that define it plus seq and batch."""
-        keys = {"smoke": SMOKE_MODEL, "pilot_chunks": PILOT_CHUNKS_MODEL, "pilot": PILOT_MODEL}
+        keys = {
+            "smoke": SMOKE_MODEL,
+            "pilot_chunks": PILOT_CHUNKS_MODEL,
+            "pilot_frozen": PILOT_FROZEN_MODEL,
+            "pilot": PILOT_MODEL,
+        }
         keys = keys.get(self.name, {})
         model = {k: getattr(self.model, k) for k in (*keys, *SHAPE_KEYS)}
         return {**model, "seq_len": self.seq_len, "batch_size": self.batch_size}
@@ -129,10 +145,15 @@ def bench_shape(cfg: Config, name: str) -> Shape:
     if name == "pilot_chunks":
         model = dataclasses.replace(cfg.model, **PILOT_CHUNKS_MODEL)
         return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1)
+    if name == "pilot_frozen":
+        model = dataclasses.replace(cfg.model, **PILOT_FROZEN_MODEL)
+        return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1)
     if name == "pilot":
         model = dataclasses.replace(cfg.model, **PILOT_MODEL)
         return Shape(name, model, PILOT_SEQ_LEN, PILOT_BATCH)
-    raise ConfigError(f"bench.shapes: unknown shape {name!r} (tiny, smoke, pilot_chunks, pilot)")
+    raise ConfigError(
+        f"bench.shapes: unknown shape {name!r} (tiny, smoke, pilot_chunks, pilot_frozen, pilot)"
+    )
 
 
 def check_bench_config(bench: BenchConfig) -> None:
