@@ -21,12 +21,21 @@ SMALL_CHUNKS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", ["hope", "titans_mac", "transformer"])
-def test_launch_fit_predicts_a_direct_count_at_another_depth_and_length(variant: str) -> None:
+FROZEN = {"smt_chunk": 4, "smt_mem_chunk": 4, "smt_read_chunk": 2}
+
+
+@pytest.mark.parametrize(
+    ("variant", "frozen"),
+    [("hope", False), ("hope", True), ("titans_mac", False), ("transformer", False)],
+)
+def test_launch_fit_predicts_a_direct_count_at_another_depth_and_length(
+    variant: str, frozen: bool
+) -> None:
     """Four counts (1-2 layers x T1, 2·T1) fix the affine model; it predicts a direct
     count of three layers at a third length exactly (hope's first layer is cheaper:
-    pass A reuses its mixer)."""
-    cfg = ModelConfig(variant=variant, **SMALL_CHUNKS)  # type: ignore[arg-type]
+    pass A reuses its mixer), with HOPE's frozen-base reads too."""
+    chunks = {**SMALL_CHUNKS, **(FROZEN if frozen else {})}
+    cfg = ModelConfig(variant=variant, **chunks)  # type: ignore[arg-type]
     assert p.counting_lengths(cfg) == (16, 32)
     fit = p.fit_launches(cfg, 40)
     forms = p._read_forms(cfg, 40)
@@ -88,3 +97,25 @@ def test_bench_report_holds_the_projection(tmp_path: Path) -> None:
     shape = row["bench_pilot_shape"]
     assert shape["tokens"] == 4 * 4096
     assert shape["launches"] == round(row["launch_fit"]["base"] + 2 * row["launches_per_layer"])
+
+
+def test_pilot_hope_projection_adds_the_frozen_read_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pilot preset's hope row projects the bench's pilot_frozen chunking too (the
+    launch counts stubbed here: the real fits take minutes, the fit test covers them)."""
+    fitted: list[ModelConfig] = []
+
+    def fake_fit(cfg: ModelConfig, seq_len: int) -> p.LaunchFit:
+        fitted.append(cfg)
+        per_token = 10.0 if cfg.smt_read_chunk else 100.0
+        return p.LaunchFit(0.0, 0.0, 0.0, per_token, (256, 512))
+
+    monkeypatch.setattr(p, "fit_launches", fake_fit)
+    row = p.project_variant("pilot", "hope")
+    assert [c.smt_read_chunk for c in fitted] == [None, 16]
+    assert (fitted[1].smt_chunk, fitted[1].smt_mem_chunk) == (64, 64)
+    frozen = row["frozen_reads"]
+    assert (frozen["launches_per_layer"], row["launches_per_layer"]) == (40960, 409600)
+    assert frozen["micro_batch"]["launches"] == 10 * 40960
+    eager = frozen["micro_batch"]["devices"]["H200"]["eager_ms"]
+    assert eager < row["micro_batch"]["devices"]["H200"]["eager_ms"]
+    assert "frozen_reads" not in p.project_variant("mid", "transformer")

@@ -14,7 +14,9 @@ u = e·d²/H = the cost of one d_h→e·d_h matmul for every head):
 - SwiGLU MLP: 6·d·h
 - CMS chain (NL eqs. 30-31): 4·d·Σh_ℓ
 - SMT (MECHANISMS §8.4): 2d² (W_o) + 2d²/H (per-head W_q) + 80u
-  (generation 12, read 4, v̂ 16, M(k) 16, gradient factors 6, update 26)
+  (generation 12, read 4, v̂ 16, M(k) 16, gradient factors 6, update 26); the
+  frozen-base reads (``smt_read_chunk``) count the same: their C/R extra copies of
+  M_mem's write are the mode's overhead, like recomputation, not model work
 - Titans memory (Ti eqs. 12-18): 6d² (W_qkv) + 2d² (W_o) + 14u
   (read M(q) 4, M(k) 4, D = W1ᵀE 2, G1 = EAᵀ 2, G2 = Dkᵀ 2)
 

@@ -197,7 +197,8 @@ def count_parameters(cfg: ModelConfig) -> int:
 
 def project_variant(preset: str, variant: str) -> dict[str, Any]:
     """One preset's projection for ``variant``: its launch model, the preset step
-    (``MICRO_BATCH`` sequences) and the bench's ``pilot`` shape for the pilot preset."""
+    (``MICRO_BATCH`` sequences) and, for the pilot preset, the bench's ``pilot`` shape
+    and HOPE with the frozen-base reads of the bench's ``pilot_frozen`` shape."""
     cfg = preset_model(preset, variant)
     seq_len = load_config(None, [f"preset={preset}"]).data.seq_len
     fit = fit_launches(cfg, seq_len)
@@ -207,6 +208,21 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
         "launches_per_layer": round(fit.layer + fit.layer_per_token * seq_len),
         "micro_batch": project_step(cfg, seq_len, MICRO_BATCH, launches, count_parameters(cfg)),
     }
+    if variant == "hope" and preset == "pilot":  # the throughput mode of pilot_frozen
+        from hope.bench.run import FROZEN_SMT
+
+        frozen = dataclasses.replace(cfg, **FROZEN_SMT)
+        frozen_fit = fit_launches(frozen, seq_len)
+        row["frozen_reads"] = {
+            "smt": FROZEN_SMT,
+            "launches_per_layer": round(
+                frozen_fit.layer + frozen_fit.layer_per_token * seq_len
+            ),
+            "micro_batch": project_step(
+                frozen, seq_len, MICRO_BATCH, frozen_fit.predict(cfg.n_layers, seq_len),
+                count_parameters(frozen),
+            ),
+        }  # fmt: skip
     if preset == "pilot":  # the bench's GPU shape: two layers, batch 4, T 4096
         from hope.bench.run import PILOT_BATCH, PILOT_MODEL, PILOT_SEQ_LEN
 

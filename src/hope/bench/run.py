@@ -96,12 +96,8 @@ PILOT_CHUNKS_SEQ_LEN = 1024
 # HOPE's throughput mode at that shape (memory/smt_frozen.py): the SMT written every
 # 64 tokens, M_mem read every 16 (the pilot's C_m) inside each write; other variants
 # are the same models as at pilot_chunks, measured again for the ratios.
-PILOT_FROZEN_MODEL: dict[str, Any] = {
-    **PILOT_CHUNKS_MODEL,
-    "smt_chunk": 64,
-    "smt_mem_chunk": 64,
-    "smt_read_chunk": 16,
-}
+FROZEN_SMT: dict[str, Any] = {"smt_chunk": 64, "smt_mem_chunk": 64, "smt_read_chunk": 16}
+PILOT_FROZEN_MODEL: dict[str, Any] = {**PILOT_CHUNKS_MODEL, **FROZEN_SMT}
 # The pilot preset's dims and chunking in two layers at its context (a GPU shape:
 # scripts/gpu_check.sh; far too slow for a CPU).
 PILOT_MODEL: dict[str, Any] = {
