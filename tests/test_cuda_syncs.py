@@ -19,9 +19,17 @@ from hope.train.step import train_step
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("variant", ["transformer", "hope_attention", "hope", "titans_mac"])
-def test_training_step_is_sync_free_on_cuda(variant: str) -> None:
-    cfg = hope.load_config(None, [f"model.variant={variant}", "train.device=cuda"])
+FROZEN_READS = ("model.smt_chunk=64", "model.smt_mem_chunk=64", "model.smt_read_chunk=16")
+
+
+@pytest.mark.parametrize(
+    ("variant", "extra"),
+    [("transformer", ()), ("hope_attention", ()), ("hope", ()), ("hope", FROZEN_READS),
+     ("titans_mac", ())],
+    ids=["transformer", "hope_attention", "hope", "hope-frozen_reads", "titans_mac"],
+)  # fmt: skip
+def test_training_step_is_sync_free_on_cuda(variant: str, extra: tuple[str, ...]) -> None:
+    cfg = hope.load_config(None, [f"model.variant={variant}", "train.device=cuda", *extra])
     device = torch.device("cuda")
     model = hope.build_model(cfg.model).to(device)
     optimizer = build_optimizer(model, cfg.optim)

@@ -104,8 +104,13 @@ def test_schedule_warms_up_linearly_then_decays_to_min_ratio() -> None:
     assert seen[-1] > 0.001 and optimizer.param_groups[0]["lr"] == pytest.approx(0.001)
 
 
-def test_training_step_makes_no_host_syncs() -> None:
-    cfg = tiny_cfg()
+# HOPE's frozen-base reads (memory/smt_frozen.py): its masks are built without a sync
+FROZEN_READS = ("model.smt_chunk=8", "model.smt_mem_chunk=8", "model.smt_read_chunk=2")
+
+
+@pytest.mark.parametrize("extra", [(), FROZEN_READS], ids=["default", "frozen_reads"])
+def test_training_step_makes_no_host_syncs(extra: tuple[str, ...]) -> None:
+    cfg = tiny_cfg(*extra)
     model = hope.build_model(cfg.model)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)

@@ -94,11 +94,17 @@ def _piece_runs(lo: int, hi: int, pieces: PieceGrid, at: int) -> list[tuple[int,
     return runs
 
 
+def _on_device(values: list[int] | list[bool], device: torch.device) -> Tensor:
+    """A small constant tensor on ``device``, copied without waiting for the device
+    (``torch.tensor(..., device=cuda)`` would synchronise the step's stream)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def _prefix_gates(eta: Tensor, alpha: Tensor, bounds: list[int]) -> tuple[Tensor, Tensor]:
     """eta, alpha [B, H, L] -> [B, n*H, L], copy j restricted to tokens < bounds[j]."""
     batch, heads, length = eta.shape
     position = torch.arange(length, device=eta.device)
-    limit = torch.tensor(bounds, device=eta.device)
+    limit = _on_device(bounds, eta.device)
     inside = (position < limit[:, None])[None, :, None, :]  # [1, n, 1, L]
     eta_m = torch.where(inside, eta.unsqueeze(1), torch.zeros_like(eta).unsqueeze(1))
     alpha_m = torch.where(inside, alpha.unsqueeze(1), torch.ones_like(alpha).unsqueeze(1))
@@ -140,14 +146,14 @@ def frozen_segment(
     base = [repeat_heads(t, n) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
     eta, alpha = _prefix_gates(gen.eta, gen.alpha, [c.bound for c in copies])
     if any(c.cut for c in copies):  # tokens before a copy's cut write without a graph
-        cut = torch.tensor([c.cut for c in copies], device=device)
+        cut = _on_device([c.cut for c in copies], device)
         early = (torch.arange(length, device=device) < cut[:, None])[None, :, None, :]
         k, target, e, a, d, pre = (
             _detach_where(t, early.unsqueeze(-1), n) for t in (k, target, e, a, d, pre)
         )
         eta, alpha = (_detach_where(t, early, n) for t in (eta, alpha))
     if not all(c.base_graph for c in copies):
-        cut_base = torch.tensor([not c.base_graph for c in copies], device=device)
+        cut_base = _on_device([not c.base_graph for c in copies], device)
         base = [_detach_where(t, cut_base.view(1, n, 1, 1, 1), n) for t in base]
     states = dgd_write(
         FastWeights(*base), k, target, bounded_eta(eta, repeat_heads(step.coupling, n)),
