@@ -10,7 +10,8 @@
 #      is installed,
 #   3. the bench of every variant at the pilot_chunks shape (launches per step) and
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
-#      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches,
+#      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches;
+#      HOPE's frozen-base reads compiled at the pilot_frozen shape,
 #   4. the projection of the pilot shape (hope.bench.projection: launches counted on
 #      this machine's CPU) beside its measured step (measured/eager = the error),
 # and writes every log and report under OUT_DIR (summary.txt first). A failing part
@@ -89,6 +90,8 @@ bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.js
   [ -f reports/bench_meta.json ] && cp reports/bench_meta.json "$out/bench_${name}_meta.json"
 }
 bench pilot_chunks --set 'bench.shapes=[pilot_chunks]'
+bench pilot_frozen --set 'bench.shapes=[pilot_frozen]' --set 'bench.variants=[transformer,hope]' \
+  --set bench.memory_backend=compile
 bench pilot --set 'bench.shapes=[pilot]'
 bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
 
