@@ -16,7 +16,7 @@ The overshoot bound of each copy sees only its prefix (masked steps are 0), so a
 depends on earlier tokens only and a segment streamed over several calls reads what
 one call reads. Per segment: one batched write and one batched read instead of C/R
 sequential chunk steps (fewer kernel launches), for C/R + 1 copies of the write's
-arithmetic. Its quality cost at equal tokens is in docs/FAITHFULNESS.md.
+arithmetic.
 
 Outer-gradient cuts are per read (``ReadSpan``): under ``write_grad=stopgrad`` a read
 past the segment start sees its state without a graph (as a read after a detached
@@ -66,7 +66,8 @@ def read_spans(
     holds in graph (``chunk_loop``; >= ``at`` when it holds none). A read keeps the
     paths from the earlier tokens of its own piece. Where the segment-start state
     holds graph from another piece (and so do the inputs generated from it), the
-    read's state is detached whole: those within-piece paths are lost too."""
+    read's state is detached whole: those within-piece paths are lost too (part of the
+    mode's deviation, docs/FAITHFULNESS.md)."""
     spans = []
     for bound in range(first - first % read_chunk, length, read_chunk):
         lo, hi = max(bound, first), min(bound + read_chunk, length)
@@ -130,6 +131,9 @@ def frozen_segment(
     backend: str,
 ) -> tuple[Tensor, FastWeights | None]:
     """The reads of ``spans`` and, when ``complete``, M_mem's state after the segment.
+
+    A deviation (a throughput mode; docs/FAITHFULNESS.md gives its measured quality
+    cost): the exact SMT re-takes every gradient and generation at each C_o chunk.
 
     ``fast``: M_mem at the segment start [B, H, ...]; ``gen``: the segment's L tokens
     generated so far. Returns the reads [B, H, tokens of the spans, d_h] in span order
