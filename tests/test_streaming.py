@@ -44,11 +44,16 @@ SEGMENT_SPLITS = ([4, 8, 1], [4, 4, 4, 1])  # titans_mac continues only at segme
 PIECE_SPLITS = ([4, 8, 1], [8, 5])
 
 
-def _model(variant: str, mode: str | None) -> LanguageModel:
+def mode_knobs(mode: str | None) -> tuple[str, ...]:
+    """The overrides of a case's mode: its cms_mode, and the frozen-read knobs."""
     if mode is None:
-        return tiny_lm(variant)
+        return ()
     cms_mode, frozen, _ = mode.partition(FROZEN)
-    return tiny_lm(variant, f"model.cms_mode={cms_mode}", *(FROZEN_KNOBS if frozen else ()))
+    return (f"model.cms_mode={cms_mode}", *(FROZEN_KNOBS if frozen else ()))
+
+
+def _model(variant: str, mode: str | None) -> LanguageModel:
+    return tiny_lm(variant, *mode_knobs(mode))
 
 
 def _data(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,7 +209,7 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
         "micro_batch": project_step(cfg, seq_len, MICRO_BATCH, launches, count_parameters(cfg)),
     }
     if variant == "hope" and preset == "pilot":  # the throughput mode of pilot_frozen
-        from hope.bench.run import FROZEN_SMT
+        from hope.bench.shapes import FROZEN_SMT
 
         frozen = dataclasses.replace(cfg, **FROZEN_SMT)
         frozen_fit = fit_launches(frozen, seq_len)
@@ -224,7 +224,7 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
             ),
         }  # fmt: skip
     if preset == "pilot":  # the bench's GPU shape: two layers, batch 4, T 4096
-        from hope.bench.run import PILOT_BATCH, PILOT_MODEL, PILOT_SEQ_LEN
+        from hope.bench.shapes import PILOT_BATCH, PILOT_MODEL, PILOT_SEQ_LEN
 
         shape = dataclasses.replace(cfg, **PILOT_MODEL)
         row["bench_pilot_shape"] = project_step(
