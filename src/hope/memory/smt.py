@@ -17,6 +17,11 @@ pending, as are the C_o chunks since M_mem's last write; a later call completes
 and writes them. So chained calls equal one call at any split, token by token
 included, in outputs and in states.
 
+Throughput mode (``smt_read_chunk`` = R < C_o = C_m; ``smt_frozen``, MECHANISMS
+§8.2): a C_o chunk is a segment whose generation and inner gradients stay at its
+start state while M_mem is read every R tokens at the state the segment's earlier
+tokens wrote; all those states come from one batched write.
+
 Outer gradients (``write_grad``): ``full`` keeps every write in the graph, so
 all initial states, W_q, the conv, b_alpha and W_o are meta-learned (Ti-style);
 ``truncated`` detaches every memory after each ``write_grad_window``-th C_o

@@ -109,13 +109,6 @@ def join_generated(pending: list[Generated]) -> Generated:
     return Generated(*(torch.cat([getattr(g, f) for g in pending], dim=2) for f in FIELDS))
 
 
-def chunk_sizes(seq: int, chunk: int, held: int) -> list[int]:
-    """Token counts of a call's C_o chunks when ``held`` tokens of the first are pending."""
-    first = min(chunk - held, seq)
-    full, rest = divmod(seq - first, chunk)
-    return [first] + [chunk] * full + ([rest] if rest else [])
-
-
 def detach_generated(gen: Generated) -> Generated:
     return Generated(*(getattr(gen, f).detach() for f in FIELDS))
 
