@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 import torch
@@ -190,47 +190,57 @@ def count_profiled_launches(events: Any) -> int:
     return sum(1 for event in events if counted(event))
 
 
-class ProfiledLaunchCounter:
-    """Counts the kernel launches of a CPU step from the profiler (``count``): the
-    rule for compiled regions, which a dispatch mode cannot see (module docstring)."""
+class _ProfilerCounter:
+    """Counts events of a profiler run while active (``count``)."""
 
     def __init__(self) -> None:
         self.count = 0
         self._profile: Any = None
 
-    def __enter__(self) -> ProfiledLaunchCounter:
-        from torch.profiler import ProfilerActivity, profile
+    def _activity(self) -> Any:
+        raise NotImplementedError
 
-        self._profile = profile(activities=[ProfilerActivity.CPU])
+    def _count(self, events: Any) -> int:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        from torch.profiler import profile
+
+        self._profile = profile(activities=[self._activity()])
         self._profile.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._profile.__exit__(*exc)
-        self.count = count_profiled_launches(self._profile.events())
+        self.count = self._count(self._profile.events())
 
 
-class CudaKernelCounter:
-    """Counts the CUDA kernels launched while active (``count``), from the profiler's
-    device-side events: what a compiled region really launches, per call."""
+class ProfiledLaunchCounter(_ProfilerCounter):
+    """Counts the kernel launches of a CPU step from the profiler: the rule for
+    compiled regions, which a dispatch mode cannot see (module docstring)."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self._profile: Any = None
+    def _activity(self) -> Any:
+        return torch.profiler.ProfilerActivity.CPU
 
-    def __enter__(self) -> CudaKernelCounter:
-        from torch.profiler import ProfilerActivity, profile
+    def _count(self, events: Any) -> int:
+        return count_profiled_launches(events)
 
-        self._profile = profile(activities=[ProfilerActivity.CUDA])
-        self._profile.__enter__()
-        return self
+
+class CudaKernelCounter(_ProfilerCounter):
+    """Counts the CUDA kernels launched while active, from the profiler's device-side
+    events: what a compiled region really launches, per call."""
+
+    def _activity(self) -> Any:
+        return torch.profiler.ProfilerActivity.CUDA
 
     def __exit__(self, *exc: object) -> None:
         torch.cuda.synchronize()
-        self._profile.__exit__(*exc)
-        self.count = sum(
+        super().__exit__(*exc)
+
+    def _count(self, events: Any) -> int:
+        return sum(
             1
-            for event in self._profile.events()
+            for event in events
             if event.device_type == torch.autograd.DeviceType.CUDA
             and not event.name.lower().startswith(("memcpy", "memset"))
         )
