@@ -144,7 +144,7 @@ class SelfModifyingTitans(nn.Module):
         if backend == "naive":
             return tuple(self._group((n,)) for n in self.inits)
         every_chunk = tuple(n for n in self.inits if n != "mem")
-        if self.cfg.chunk == self.cfg.mem_chunk and not self.cfg.frozen:
+        if self.cfg.chunk == self.cfg.mem_chunk:
             return (self._group((*every_chunk, "mem")),)
         return (self._group(every_chunk), self._group(("mem",)))
 
@@ -275,9 +275,10 @@ class SelfModifyingTitans(nn.Module):
             first, gen.length, read_chunk, cfg.write_grad == "stopgrad", loop.pieces,
             start - first, live_from,
         )  # fmt: skip
+        flush = loop.flush  # all memories stacked, or M_mem alone (naive oracle)
         return loop.segment(
-            stacks[loop.flush.key], gen, spans, complete, read_chunk, cfg.objective,
-            cfg.precondition, loop.backend,
+            stacks[flush.key], gen, spans, complete, read_chunk, cfg.objective,
+            cfg.precondition, loop.backend, self._residual(flush), len(flush.names),
         )  # fmt: skip
 
     def forward(

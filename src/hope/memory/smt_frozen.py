@@ -25,7 +25,8 @@ write); in teach pass A a read keeps the paths from tokens of its own piece only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +34,14 @@ from torch.nn import functional as F
 
 from hope.memory.ops.dispatch import dgd_write
 from hope.memory.pieces import PieceGrid
-from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, chunk_pass, mlp_apply
+from hope.memory.residual_mlp import (
+    FastWeights,
+    GradFactors,
+    Objective,
+    Residual,
+    chunk_pass,
+    mlp_apply,
+)
 from hope.memory.smt_state import Generated, bounded_eta, repeat_heads
 
 
@@ -120,6 +128,51 @@ def _detach_where(t: Tensor, mask: Tensor, copies: int) -> Tensor:
     return torch.where(mask, shaped.detach(), shaped).reshape(t.shape)
 
 
+@dataclass
+class _WriteInputs:
+    """One batched DGD write's inputs, copies stacked along the head axis."""
+
+    base: list[Tensor]  # w1, w2, m1, m2
+    k: Tensor
+    target: Tensor
+    factors: list[Tensor]  # e, a, d, pre
+    eta: Tensor
+    alpha: Tensor
+    coupling: Tensor
+
+    def join(self, other: _WriteInputs) -> _WriteInputs:
+        def cat(a: Tensor, b: Tensor) -> Tensor:
+            return torch.cat([a, b], dim=1)
+
+        return _WriteInputs(
+            [cat(a, b) for a, b in zip(self.base, other.base, strict=True)],
+            cat(self.k, other.k), cat(self.target, other.target),
+            [cat(a, b) for a, b in zip(self.factors, other.factors, strict=True)],
+            cat(self.eta, other.eta), cat(self.alpha, other.alpha),
+            cat(self.coupling, other.coupling),
+        )  # fmt: skip
+
+
+def _read_copies(whole: _WriteInputs, gen: Generated, spans: tuple[ReadSpan, ...]) -> _WriteInputs:
+    """M_mem's write restricted to each span's prefix (``whole``: M_mem's own inputs,
+    [B, H, ...]), with each span's graph cuts."""
+    n, length, device = len(spans), gen.length, gen.k.device
+    k, target, *factors = (repeat_heads(t, n) for t in (whole.k, whole.target, *whole.factors))
+    base = [repeat_heads(t, n) for t in whole.base]
+    eta, alpha = _prefix_gates(gen.eta, gen.alpha, [c.bound for c in spans])
+    if any(c.cut for c in spans):  # tokens before a copy's cut write without a graph
+        cut = _on_device([c.cut for c in spans], device)
+        early = (torch.arange(length, device=device) < cut[:, None])[None, :, None, :]
+        k, target, *factors = (
+            _detach_where(t, early.unsqueeze(-1), n) for t in (k, target, *factors)
+        )
+        eta, alpha = (_detach_where(t, early, n) for t in (eta, alpha))
+    if not all(c.base_graph for c in spans):
+        cut_base = _on_device([not c.base_graph for c in spans], device)
+        base = [_detach_where(t, cut_base.view(1, n, 1, 1, 1), n) for t in base]
+    return _WriteInputs(base, k, target, factors, eta, alpha, repeat_heads(whole.coupling, n))
+
+
 def frozen_segment(
     fast: FastWeights,
     gen: Generated,
@@ -129,40 +182,39 @@ def frozen_segment(
     objective: Objective,
     precondition: bool,
     backend: str,
+    residual: Residual = True,
+    members: int = 1,
 ) -> tuple[Tensor, FastWeights | None]:
-    """The reads of ``spans`` and, when ``complete``, M_mem's state after the segment.
+    """The reads of ``spans`` and, when ``complete``, the memories' state after the
+    segment.
 
     A deviation (a throughput mode; docs/FAITHFULNESS.md gives its measured quality
     cost): the exact SMT re-takes every gradient and generation at each C_o chunk.
 
-    ``fast``: M_mem at the segment start [B, H, ...]; ``gen``: the segment's L tokens
-    generated so far. Returns the reads [B, H, tokens of the spans, d_h] in span order
-    and the state (None while the segment is partial).
+    ``fast``: a stack of ``members`` memories at the segment start [B, members*H, ...]
+    (``smt_state.stack_group``, ``residual`` its flags), M_mem last; ``gen``: the
+    segment's L tokens generated so far. One batched write holds M_mem's read copies
+    and, when ``complete``, the whole stack's write. Returns the reads
+    [B, H, tokens of the spans, d_h] in span order and the stack's state (None while
+    the segment is partial).
     """
-    heads, length, device = gen.k.shape[1], gen.length, gen.k.device
-    copies = [*spans, ReadSpan(length, length, length)] if complete else list(spans)
-    n = len(copies)
-    step = chunk_pass(fast.w1, fast.w2, gen.v, gen.k, None, objective, True)
+    heads = gen.k.shape[1]
+    k, v = repeat_heads(gen.k, members), repeat_heads(gen.v, members)
+    step = chunk_pass(fast.w1, fast.w2, v, k, None, objective, residual)
     fac = step.factors
-    k, target, e, a, d, pre = (
-        repeat_heads(t, n) for t in (gen.k, step.target, fac.e, fac.a, fac.d, fac.pre)
-    )
-    base = [repeat_heads(t, n) for t in (fast.w1, fast.w2, fast.m1, fast.m2)]
-    eta, alpha = _prefix_gates(gen.eta, gen.alpha, [c.bound for c in copies])
-    if any(c.cut for c in copies):  # tokens before a copy's cut write without a graph
-        cut = _on_device([c.cut for c in copies], device)
-        early = (torch.arange(length, device=device) < cut[:, None])[None, :, None, :]
-        k, target, e, a, d, pre = (
-            _detach_where(t, early.unsqueeze(-1), n) for t in (k, target, e, a, d, pre)
-        )
-        eta, alpha = (_detach_where(t, early, n) for t in (eta, alpha))
-    if not all(c.base_graph for c in copies):
-        cut_base = _on_device([not c.base_graph for c in copies], device)
-        base = [_detach_where(t, cut_base.view(1, n, 1, 1, 1), n) for t in base]
+    stack = _WriteInputs(
+        [fast.w1, fast.w2, fast.m1, fast.m2], k, step.target, [fac.e, fac.a, fac.d, fac.pre],
+        repeat_heads(gen.eta, members), repeat_heads(gen.alpha, members), step.coupling,
+    )  # fmt: skip
+    mem = _WriteInputs(*(_last_heads(getattr(stack, f.name), heads) for f in fields(stack)))
+    inputs = _read_copies(mem, gen, spans)
+    if complete:
+        inputs = inputs.join(stack)
     states = dgd_write(
-        FastWeights(*base), k, target, bounded_eta(eta, repeat_heads(step.coupling, n)),
-        alpha, objective=objective, residual=True, precondition=precondition, momentum=0.0,
-        backend=backend, factors=GradFactors(e, a, d, pre),
+        FastWeights(*inputs.base), inputs.k, inputs.target,
+        bounded_eta(inputs.eta, inputs.coupling), inputs.alpha, objective=objective,
+        residual=residual, precondition=precondition,
+        momentum=0.0, backend=backend, factors=GradFactors(*inputs.factors),
     )  # fmt: skip
     reads_n = len(spans) * heads
     # Each span's queries, padded to R tokens: one batched read for all copies.
@@ -173,4 +225,11 @@ def frozen_segment(
     if not complete:
         return reads, None
     last = (states.w1, states.w2, states.m1, states.m2)
-    return reads, FastWeights(*(t[:, -heads:] for t in last))
+    return reads, FastWeights(*(t[:, reads_n:] for t in last))
+
+
+def _last_heads(t: Tensor | list[Tensor], heads: int) -> Any:
+    """M_mem's part of a stacked tensor (or list of them): its last ``heads`` heads."""
+    if isinstance(t, list):
+        return [x[:, -heads:] for x in t]
+    return t[:, -heads:]
