@@ -203,8 +203,8 @@ def test_mac_retrieval_reads_the_memory_from_before_its_segment(
     reads: list[torch.Tensor] = []
     original = block.retrieve
 
-    def recording(x_n: torch.Tensor, fast: Any) -> torch.Tensor:
-        reads.append(original(x_n, fast))
+    def recording(queries: torch.Tensor, fast: Any) -> torch.Tensor:
+        reads.append(original(queries, fast))
         return reads[-1]
 
     monkeypatch.setattr(block, "retrieve", recording)
@@ -214,7 +214,7 @@ def test_mac_retrieval_reads_the_memory_from_before_its_segment(
     # h_1 equals M*_0(q(seg_1)) with M_0 the memory after segment 0 alone.
     _, after_first = model(x[:, :4])
     seg_1 = block.norm(model.embed(x[:, 4:8]))
-    expected = original(seg_1, after_first.blocks[0].memory.memory)
+    expected = original(block.retrieval_queries(seg_1), after_first.blocks[0].memory.memory)
     torch.testing.assert_close(h[1], expected, rtol=0, atol=1e-12)
     # Perturbing segment 1's last token: its own query changes, but the other
     # reads of segment 1 do not (no read of segment 1's own write); segment 2's do.
@@ -306,6 +306,11 @@ def test_mac_attention_sees_memory_tokens_causally_and_persistent_tokens_always(
     gen = torch.Generator().manual_seed(5)
     h, x = (torch.randn(1, 4, 16, dtype=DT, generator=gen) for _ in range(2))
     y = module.forward_with_context(h, x, 8)
+    # The memory tokens' k/v-only projection is the fused projection's k and v rows.
+    rotary = module.rotary(8, 4, x)
+    _, _, k_full, v_full = module._heads(h, rotary)
+    k_h, v_h = module._key_value_heads(h, rotary)
+    torch.testing.assert_close((k_h, v_h), (k_full, v_full), rtol=0, atol=1e-15)
     for j in range(4):
         h_p = h.clone()
         h_p[:, j] += 1.0

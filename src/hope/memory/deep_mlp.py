@@ -135,10 +135,11 @@ def deep_momentum_write(
     theta: Tensor,
     eta: Tensor,
     keep: Tensor,
+    end_weights: Tensor | None = None,
 ) -> DeepFastWeights:
     """One chunk's Titans write (Ti eqs. 13-14, chunked per eqs. 16-18) of every layer,
     closed form over the chunk (``ops/chunk.py``); theta, eta, keep [B, H, C]."""
-    coef = momentum_chunk_coefficients(theta, eta, keep)
+    coef = momentum_chunk_coefficients(theta, eta, keep, end_weights)
     pairs = [
         chunk_momentum_matrix(w, s, e, x, coef)
         for w, s, e, x in zip(

@@ -65,7 +65,7 @@ from hope.memory.residual_mlp import (
 _GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
 
 
-def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor) -> Tensor:
+def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, end_weights: Tensor) -> Tensor:
     """Cap theta_max [B, H, 1] of a chunk's inner steps theta_s = theta_max sigma_s / lambda_s.
 
     A deviation (docs/FAITHFULNESS.md): the paper's theta_t is an unbounded
@@ -73,9 +73,10 @@ def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor)
 
     Chunked training (Ti eq. 16) takes all C gradients of a chunk at the chunk-start
     weights; with momentum (Ti eq. 18) token s's step reaches the chunk-end weights
-    with weight w_s (``momentum_chunk_weights``, about 1/(1 - eta)). Linearised, the
-    write moves the predictions at the chunk's keys by -2 theta_max J C J^T e with
-    C = diag(sigma_s w_s / lambda_s): it cannot overshoot (no error grows) while
+    with weight w_s (``end_weights``: ``momentum_chunk_weights``, about 1/(1 - eta)).
+    Linearised, the write moves the predictions at the chunk's keys by
+    -2 theta_max J C J^T e with C = diag(sigma_s w_s / lambda_s): it cannot overshoot
+    (no error grows) while
     2 theta_max ||C^1/2 (J J^T) C^1/2|| <= 1. The kernel J_t J_s^T is bounded entrywise
     by ``chunk_kernel_bound`` K >= 0, whose spectral norm bounds that of the block
     kernel; with sigma <= 1 that gives theta_max = 1 / max(1, rho),
@@ -90,15 +91,15 @@ def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, eta: Tensor, keep: Tensor)
     only 0.3% at the pilot chunk C = 64.
     """
     kernel = chunk_kernel_bound(w1.detach(), w2.detach(), k.detach())  # [B, H, C, C]
-    return cap_from_kernel(kernel, eta, keep)
+    return cap_from_kernel(kernel, end_weights)
 
 
-def cap_from_kernel(kernel: Tensor, eta: Tensor, keep: Tensor) -> Tensor:
+def cap_from_kernel(kernel: Tensor, end_weights: Tensor) -> Tensor:
     """theta_max [B, H, 1] = 1 / max(1, rho) from a chunk's kernel bound K [B, H, C, C]
-    (``chunk_step_cap``; any memory depth)."""
-    kernel, eta, keep = kernel.detach(), eta.detach(), keep.detach()
+    and the tokens' momentum weights w_s [B, H, C] (``chunk_step_cap``; any depth)."""
+    kernel, end_weights = kernel.detach(), end_weights.detach()
     curvature = kernel.diagonal(dim1=-2, dim2=-1).clamp_min(1.0)
-    rho = overshoot_ratio(kernel, momentum_chunk_weights(eta, keep) / curvature)  # [B, H]
+    rho = overshoot_ratio(kernel, end_weights / curvature)  # [B, H]
     return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
 
 
@@ -295,11 +296,14 @@ class NeuralMemory(nn.Module):
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
         curvature = curvature_bound(fast.w1, fast.w2, k).clamp_min(1.0)
-        cap = chunk_step_cap(fast.w1, fast.w2, k, eta, keep)
+        # w_s once: the cap reads it detached, the write differentiates through it.
+        weights = momentum_chunk_weights(eta, keep)
+        cap = chunk_step_cap(fast.w1, fast.w2, k, weights)
         step = cap * theta / curvature
         fast = momentum_write(
-            fast, k, v, step, eta, keep, objective="l2", residual=True, backend=backend
-        )
+            fast, k, v, step, eta, keep, objective="l2", residual=True, backend=backend,
+            end_weights=weights,
+        )  # fmt: skip
         return fast, read
 
     @staticmethod
@@ -317,11 +321,12 @@ class NeuralMemory(nn.Module):
         inner step: a deviation (docs/FAITHFULNESS.md, ``chunk_step_cap``)."""
         read = deep_apply(fast.weights, q)
         factors = deep_factors(fast.weights, k, v)
-        step = cap_from_kernel(factors.coupling, eta, keep) * theta
+        weights = momentum_chunk_weights(eta, keep)
+        step = cap_from_kernel(factors.coupling, weights) * theta
         step = step / factors.curvature.clamp_min(1.0)
         if resolve_backend(backend) == "naive":
             return naive_deep_write(fast, k, v, step, eta, keep), read
-        return deep_momentum_write(fast, factors, step, eta, keep), read
+        return deep_momentum_write(fast, factors, step, eta, keep, weights), read
 
     def read(self, fast: FastWeights | DeepFastWeights, q: Tensor) -> Tensor:
         """M(q) [B, H, T, d_h] with the given fast weights (any depth)."""

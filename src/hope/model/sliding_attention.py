@@ -20,9 +20,12 @@ relative offset, however long the context (an always-visible "sink", Ti §3.3).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from hope.layers import apply_rotary, rotary_tables
 from hope.model.attention import CausalSelfAttention, KVCache, extend_valid
@@ -37,6 +40,31 @@ def sliding_window_mask(past: int, length: int, window: int, device: torch.devic
     query_pos = torch.arange(length, device=device)
     offset = query_pos[:, None] - key_pos[None, :]
     return (offset >= 0) & (offset < window)
+
+
+def segment_mask(length: int, device: torch.device) -> Tensor:
+    """MAC's visibility [S, 2S] over [h || x]: query i sees h_j and x_j for j <= i."""
+    causal = sliding_window_mask(0, length, length, device)  # [S, S] lower triangle
+    return torch.cat((causal, causal), dim=1)
+
+
+Rotary = tuple[Tensor, Tensor]  # cos, sin [T, D/2] (``hope.layers.rotary_tables``)
+PersistentKV = tuple[Tensor, Tensor]  # P's keys [H, N_p, D] and values [1, H, N_p, D]
+
+
+@dataclass(frozen=True)
+class SegmentContext:
+    """A MAC call's tokens as its segment attentions see them, per segment (split, so
+    backward joins the segments' gradients with one cat): q, q rotated, k rotated, v
+    [B, H, S, D] each; cos, sin [S, D/2]; P's keys and values; the full segment's mask."""
+
+    q: Sequence[Tensor]
+    q_rot: Sequence[Tensor]
+    k: Sequence[Tensor]
+    v: Sequence[Tensor]
+    rotary: Sequence[Rotary]
+    persistent: PersistentKV | None
+    mask: Tensor  # [S, 2S] (``segment_mask``)
 
 
 class PersistentAttention(CausalSelfAttention):
@@ -61,26 +89,55 @@ class PersistentAttention(CausalSelfAttention):
         # Learned tokens [N_p, d], not a map between features: AdamW, not Muon/M3.
         self.vector_params = ("persistent",) if n_persistent else ()
 
-    def _heads(self, x: Tensor, pos: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [B, T, d] at positions pos.. -> q, q rotated, k rotated, v; each [B, H, T, D]."""
+    def rotary(self, pos: int, length: int, like: Tensor) -> Rotary:
+        """cos, sin [length, D/2] for positions pos..pos+length-1 in ``like``'s dtype."""
+        return rotary_tables(self.head_dim, pos, length, self.rope_base, like.device, like.dtype)
+
+    def _heads(self, x: Tensor, rotary: Rotary) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, d] at the positions of ``rotary`` -> q, q rotated, k rotated, v;
+        each [B, H, T, D]."""
         batch, length, _ = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary_tables(self.head_dim, pos, length, self.rope_base, x.device, q.dtype)
+        cos, sin = rotary
         return q, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def _attend(self, q: Tensor, q_rot: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    def _key_value_heads(self, x: Tensor, rotary: Rotary | None) -> tuple[Tensor, Tensor]:
+        """Keys (rotated when ``rotary`` is given) and values only, [B, H, T, D] each:
+        the k and v rows of the fused projection (for tokens that are never queries)."""
+        batch, length, dim = x.shape
+        kv = F.linear(x, self.qkv.weight[dim:]).view(batch, length, 2, self.n_heads, self.head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return (k, v) if rotary is None else (apply_rotary(k, *rotary), v)
+
+    def _persistent_kv(self, dtype: torch.dtype) -> PersistentKV | None:
+        """Keys/values of P -> (k [H, N_p, D], v [1, H, N_p, D]), un-rotated; None without P."""
+        if self.persistent is None:
+            return None
+        k, v = self._key_value_heads(self.persistent.to(dtype)[None], None)
+        return k[0], v
+
+    def _attend(
+        self,
+        q: Tensor,
+        q_rot: Tensor,
+        k: Tensor,
+        v: Tensor,
+        visible: Tensor,
+        persistent: PersistentKV | None,
+    ) -> Tensor:
         """Softmax over [P || context]: q [B,H,T,D], k/v [B,H,K,D], visible [T, K] or
-        [B, 1, T, K] -> [B, T, d]."""
+        [B, 1, T, K], P's keys and values (``_persistent_kv``) -> [B, T, d]."""
         scale = 1.0 / math.sqrt(self.head_dim)
         scores = torch.einsum("bhtd,bhkd->bhtk", q_rot, k) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         values = v
-        if self.persistent is not None:
-            p = self.persistent.to(q.dtype)[None]  # [1, N_p, d]
-            k_p, v_p = self._persistent_kv(p)
+        if persistent is not None:
+            k_p, v_p = persistent
             p_scores = torch.einsum("bhtd,hpd->bhtp", q, k_p) * scale  # no rotary: position-free
             scores = torch.cat((p_scores, scores), dim=-1)
             values = torch.cat((v_p.expand(v.shape[0], -1, -1, -1), v), dim=2)
@@ -90,19 +147,10 @@ class PersistentAttention(CausalSelfAttention):
         y = torch.einsum("bhtk,bhkd->bthd", probs, values)
         return self.out(y.flatten(2))
 
-    def _persistent_kv(self, p: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys/values of P [1, N_p, d] -> (k [H, N_p, D], v [1, H, N_p, D]), un-rotated."""
-        _, n_p, _ = p.shape
-        kv = self.qkv(p).view(1, n_p, 3, self.n_heads, self.head_dim)
-        _, k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each [1, H, N_p, D]
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return k[0], v
-
     def forward(self, x: Tensor, cache: KVCache | None, pos: int) -> tuple[Tensor, KVCache]:
         """Sliding-window attention over [P || cache || x]; x [B, T, d] at pos.. -> y, cache."""
         length = x.shape[1]
-        q, q_rot, k, v = self._heads(x, pos)
+        q, q_rot, k, v = self._heads(x, self.rotary(pos, length, x))
         if cache is not None and cache.k.shape[2] > 0:
             k = torch.cat((cache.k.to(k.dtype), k), dim=2)  # [B, H, past+T, D]
             v = torch.cat((cache.v.to(v.dtype), v), dim=2)
@@ -111,24 +159,41 @@ class PersistentAttention(CausalSelfAttention):
         valid = extend_valid(cache, x.shape[0], length)
         if valid is not None:
             visible = visible & valid[:, None, None, :]  # [B, 1, T, past+T]
-        y = self._attend(q, q_rot, k, v, visible)
+        y = self._attend(q, q_rot, k, v, visible, self._persistent_kv(q.dtype))
         # Only the last W-1 keys can be seen by a later query: the cache stays bounded.
         keep = min(self.window - 1, k.shape[2])
         start = k.shape[2] - keep
         kept_valid = None if valid is None else valid[:, start:]
         return y, KVCache(k=k[:, :, start:], v=v[:, :, start:], valid=kept_valid)
 
-    def forward_with_context(self, memory_tokens: Tensor, x: Tensor, pos: int) -> Tensor:
-        """MAC segment attention: h, x [B, S, d] at positions pos.. -> y [B, S, d] (Ti eq. 22).
+    def segment_context(self, x: Tensor, pos: int, segment: int) -> SegmentContext:
+        """What MAC's segment attention needs of a call's tokens x [B, T, d] at positions
+        pos.., built once per call: no memory read changes it."""
+        rotary = self.rotary(pos, x.shape[1], x)
+        heads = self._heads(x, rotary)
+        q, q_rot, k, v = (t.split(segment, dim=2) for t in heads)
+        cos, sin = (t.split(segment) for t in rotary)
+        return SegmentContext(
+            q, q_rot, k, v, list(zip(cos, sin, strict=True)),
+            self._persistent_kv(x.dtype), segment_mask(segment, x.device),
+        )  # fmt: skip
+
+    def attend_segment(self, context: SegmentContext, memory_tokens: Tensor, index: int) -> Tensor:
+        """MAC's segment attention Attn([P || h || S]) (Ti eq. 22) of the call's segment
+        ``index``, its memory tokens h [B, S, d] -> y [B, S, d].
 
         h_j shares position pos+j with x_j, so the scores of query i with h_j and
         with x_j see the same relative distance.
         """
-        length = x.shape[1]
-        q, q_rot, k_x, v_x = self._heads(x, pos)
-        _, _, k_h, v_h = self._heads(memory_tokens, pos)
-        causal = sliding_window_mask(0, length, length, x.device)  # [S, S] lower triangle
-        visible = torch.cat((causal, causal), dim=1)  # [S, 2S] over [h || x]
-        k = torch.cat((k_h, k_x), dim=2)
-        v = torch.cat((v_h, v_x), dim=2)
-        return self._attend(q, q_rot, k, v, visible)
+        k_h, v_h = self._key_value_heads(memory_tokens, context.rotary[index])
+        length = memory_tokens.shape[1]
+        full = context.mask.shape[0] == length
+        visible = context.mask if full else segment_mask(length, memory_tokens.device)
+        k = torch.cat((k_h, context.k[index]), dim=2)
+        v = torch.cat((v_h, context.v[index]), dim=2)
+        q, q_rot = context.q[index], context.q_rot[index]
+        return self._attend(q, q_rot, k, v, visible, context.persistent)
+
+    def forward_with_context(self, memory_tokens: Tensor, x: Tensor, pos: int) -> Tensor:
+        """One MAC segment: h, x [B, S, d] at positions pos.. -> y [B, S, d]."""
+        return self.attend_segment(self.segment_context(x, pos, x.shape[1]), memory_tokens, 0)

@@ -175,13 +175,20 @@ class TitansMACBlock(_TitansBlock):
         self.write_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.gate = GatedCombine(cfg.dim, cfg.norm_eps)
 
-    def retrieve(self, x_n: Tensor, fast: FastWeights | DeepFastWeights) -> Tensor:
-        """h = W_o M*(q(x)) for x_n [B, S, d] with the given memory weights (Ti eq. 21)."""
+    def retrieval_queries(self, x_n: Tensor) -> Tensor:
+        """Memory queries [B, H, T, d_h] of x_n [B, T, d] (W_Q of Ti eq. 21; SiLU and
+        per-head L2 norm as the memory's own queries, Ti §4.4)."""
         batch, length, dim = x_n.shape
         heads = self.memory.n_heads
         q = F.silu(self.retrieve_q(x_n)).view(batch, length, heads, dim // heads).transpose(1, 2)
-        read = self.memory.read(fast, F.normalize(q, dim=-1))
-        return self.memory.w_o(read.transpose(1, 2).reshape(batch, length, dim))
+        return F.normalize(q, dim=-1)
+
+    def retrieve(self, queries: Tensor, fast: FastWeights | DeepFastWeights) -> Tensor:
+        """h = W_o M*(q) [B, S, d] for queries [B, H, S, d_h] with the given memory
+        weights (Ti eq. 21)."""
+        batch, heads, length, d_head = queries.shape
+        read = self.memory.read(fast, queries)
+        return self.memory.w_o(read.transpose(1, 2).reshape(batch, length, heads * d_head))
 
     def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
         if pos % self.segment:
@@ -190,14 +197,20 @@ class TitansMACBlock(_TitansBlock):
                 f"{self.segment}; this call starts at position {pos}"
             )
         x_n = self.norm(x)
-        memory, outputs = state.memory, []
-        for start in range(0, x.shape[1], self.segment):
-            seg = x_n[:, start : start + self.segment]  # [B, S, d]
-            h = self.retrieve(seg, memory.memory)  # M_{s-1}: before this segment's write
-            y = self.attn.forward_with_context(self.h_norm(h), seg, pos + start)
+        # Everything no memory read changes is computed once per call (the segments'
+        # attention queries, keys and values, the retrieval queries, P, the mask), so
+        # one Python iteration runs only what depends on M_{s-1}.
+        context = self.attn.segment_context(x_n, pos, self.segment)
+        queries = self.retrieval_queries(x_n).split(self.segment, dim=2)
+        memory, ys, reads = state.memory, [], []
+        for index, q in enumerate(queries):
+            h = self.retrieve(q, memory.memory)  # M_{s-1}: before this segment's write
+            y = self.attn.attend_segment(context, self.h_norm(h), index)
             m, memory = self.memory(self.write_norm(y), memory)  # reads M_{s-1}, writes y
-            outputs.append(self.gate(y, m))
-        return self._mlp(x + torch.cat(outputs, dim=1)), TitansState(memory)
+            ys.append(y)
+            reads.append(m)
+        out = self.gate(torch.cat(ys, dim=1), torch.cat(reads, dim=1))  # per token: once
+        return self._mlp(x + out), TitansState(memory)
 
 
 def _build(cfg: ModelConfig, block: type[nn.Module]) -> LanguageModel:

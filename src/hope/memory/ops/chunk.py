@@ -147,12 +147,18 @@ class MomentumChunkWeights:
     decay_end: Tensor  # [B, H, 1, 1]  b_C
 
 
-def momentum_chunk_coefficients(theta: Tensor, eta: Tensor, keep: Tensor) -> MomentumChunkWeights:
-    """The coefficients of ``chunk_momentum_update`` from theta, eta, keep [B, H, C]."""
+def momentum_chunk_coefficients(
+    theta: Tensor, eta: Tensor, keep: Tensor, end_weights: Tensor | None = None
+) -> MomentumChunkWeights:
+    """The coefficients of ``chunk_momentum_update`` from theta, eta, keep [B, H, C];
+    ``end_weights`` = ``momentum_chunk_weights(eta, keep)`` when the caller has them
+    (the Titans memory computes them once for its step cap and its write)."""
     log_b = torch.cumsum(torch.log(eta), dim=-1)  # log b_t
     log_a = torch.cumsum(torch.log(keep), dim=-1)  # log a_t
+    if end_weights is None:
+        end_weights = _chunk_end_weights(log_b, log_a)
     return MomentumChunkWeights(
-        to_weight=_chunk_end_weights(log_b, log_a) * theta,
+        to_weight=end_weights * theta,
         to_momentum=torch.exp(log_b[..., -1:] - log_b) * theta,
         carry=torch.exp(log_a[..., -1:] - log_a + log_b).sum(-1)[..., None, None],
         keep_end=torch.exp(log_a[..., -1])[..., None, None],
@@ -184,6 +190,7 @@ def chunk_momentum_update(
     theta: Tensor,
     eta: Tensor,
     keep: Tensor,
+    end_weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Titans write of one chunk (Ti eqs. 13-14, chunked per eqs. 16-18).
 
@@ -194,9 +201,10 @@ def chunk_momentum_update(
       W_C = a_C W_0 + c S_0 - sum_s w_s theta_s g_s,
       c = sum_j (a_C/a_j) b_j,   w_s = sum_{j>=s} (a_C/a_j)(b_j/b_s).
     g_t for W1 is E_t A_t^T and for W2 is D_t k_t^T. Shapes as in
-    ``chunk_dgd_update``; theta/eta/keep [B, H, C]. Returns (w1, w2, s1, s2).
+    ``chunk_dgd_update``; theta/eta/keep [B, H, C]; ``end_weights`` the w_s when the
+    caller has them (``momentum_chunk_coefficients``). Returns (w1, w2, s1, s2).
     """
-    coef = momentum_chunk_coefficients(theta, eta, keep)
+    coef = momentum_chunk_coefficients(theta, eta, keep, end_weights)
     new_w1, new_s1 = chunk_momentum_matrix(w1, s1, e, a, coef)
     new_w2, new_s2 = chunk_momentum_matrix(w2, s2, d, k, coef)
     return new_w1, new_w2, new_s1, new_s2
