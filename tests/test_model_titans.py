@@ -10,6 +10,7 @@ import torch
 import hope
 from hope.bench.measure import count_host_syncs
 from hope.memory.fast_state import tensor_leaves
+from hope.memory.ops import dispatch
 from hope.model.attention import CausalSelfAttention
 from hope.model.lm import LanguageModel
 from hope.model.sliding_attention import PersistentAttention, sliding_window_mask
@@ -387,3 +388,27 @@ def test_mac_and_mag_train_at_the_default_shape(variant: str) -> None:
     assert torch.isfinite(curve).all(), curve
     assert (curve[1:] < curve[:-1]).all(), curve  # AdamW on one batch: strictly decreasing
     assert curve[-1] < curve[0] - 0.5, curve
+
+
+@pytest.mark.usefixtures("compile_without_codegen")
+def test_compiled_mac_segments_equal_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory backend "compile": each MAC segment's retrieval and attention are one
+    compiled graph (the memory's chunk step another); same logits, state and gradients
+    as eager, a partial last segment included (10 tokens, segments of 4)."""
+    compiled_fns: list[Any] = []
+    traced = dispatch._compiled
+    monkeypatch.setattr(dispatch, "_compiled", lambda fn: compiled_fns.append(fn) or traced(fn))
+    model = tiny_model("titans_mac").to(DT)
+    x = tokens(2, 10)
+    runs = {}
+    for backend in ("torch", "compile"):
+        monkeypatch.setattr(dispatch, "_default_backend", backend)
+        logits, state = model(x)
+        grads = torch.autograd.grad(logits.square().sum(), list(model.parameters()))
+        runs[backend] = (logits, state.blocks[1], grads)
+    assert TitansMACBlock._mix in compiled_fns
+    (y_t, s_t, g_t), (y_c, s_c, g_c) = runs["torch"], runs["compile"]
+    torch.testing.assert_close(y_c, y_t, rtol=0, atol=1e-12)
+    assert_states_close(s_c, s_t, atol=1e-12)
+    for name, got, want in zip(dict(model.named_parameters()), g_c, g_t, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=name)

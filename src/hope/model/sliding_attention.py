@@ -53,10 +53,23 @@ PersistentKV = tuple[Tensor, Tensor]  # P's keys [H, N_p, D] and values [1, H, N
 
 
 @dataclass(frozen=True)
+class SegmentView:
+    """One MAC segment's tokens as its attention sees them (tensors only, so a compiled
+    segment step takes it without recompiling per segment)."""
+
+    q: Tensor  # [B, H, S, D]
+    q_rot: Tensor  # [B, H, S, D]
+    k: Tensor  # [B, H, S, D], rotated
+    v: Tensor  # [B, H, S, D]
+    rotary: Rotary  # [S, D/2] each
+    persistent: PersistentKV | None
+    mask: Tensor  # [S, 2S] (``segment_mask``)
+
+
+@dataclass(frozen=True)
 class SegmentContext:
-    """A MAC call's tokens as its segment attentions see them, per segment (split, so
-    backward joins the segments' gradients with one cat): q, q rotated, k rotated, v
-    [B, H, S, D] each; cos, sin [S, D/2]; P's keys and values; the full segment's mask."""
+    """A MAC call's tokens as its segment attentions see them, split per segment (so
+    backward joins the segments' gradients with one cat per tensor)."""
 
     q: Sequence[Tensor]
     q_rot: Sequence[Tensor]
@@ -64,7 +77,16 @@ class SegmentContext:
     v: Sequence[Tensor]
     rotary: Sequence[Rotary]
     persistent: PersistentKV | None
-    mask: Tensor  # [S, 2S] (``segment_mask``)
+    mask: Tensor  # [S, 2S] for a full segment
+
+    def segment(self, index: int) -> SegmentView:
+        length = self.q[index].shape[2]
+        full = self.mask.shape[0] == length
+        mask = self.mask if full else segment_mask(length, self.mask.device)
+        return SegmentView(
+            self.q[index], self.q_rot[index], self.k[index], self.v[index],
+            self.rotary[index], self.persistent, mask,
+        )  # fmt: skip
 
 
 class PersistentAttention(CausalSelfAttention):
@@ -178,22 +200,19 @@ class PersistentAttention(CausalSelfAttention):
             self._persistent_kv(x.dtype), segment_mask(segment, x.device),
         )  # fmt: skip
 
-    def attend_segment(self, context: SegmentContext, memory_tokens: Tensor, index: int) -> Tensor:
-        """MAC's segment attention Attn([P || h || S]) (Ti eq. 22) of the call's segment
-        ``index``, its memory tokens h [B, S, d] -> y [B, S, d].
+    def attend_segment(self, segment: SegmentView, memory_tokens: Tensor) -> Tensor:
+        """MAC's segment attention Attn([P || h || S]) (Ti eq. 22) of one segment
+        (``SegmentContext.segment``), its memory tokens h [B, S, d] -> y [B, S, d].
 
         h_j shares position pos+j with x_j, so the scores of query i with h_j and
         with x_j see the same relative distance.
         """
-        k_h, v_h = self._key_value_heads(memory_tokens, context.rotary[index])
-        length = memory_tokens.shape[1]
-        full = context.mask.shape[0] == length
-        visible = context.mask if full else segment_mask(length, memory_tokens.device)
-        k = torch.cat((k_h, context.k[index]), dim=2)
-        v = torch.cat((v_h, context.v[index]), dim=2)
-        q, q_rot = context.q[index], context.q_rot[index]
-        return self._attend(q, q_rot, k, v, visible, context.persistent)
+        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary)
+        k = torch.cat((k_h, segment.k), dim=2)
+        v = torch.cat((v_h, segment.v), dim=2)
+        return self._attend(segment.q, segment.q_rot, k, v, segment.mask, segment.persistent)
 
     def forward_with_context(self, memory_tokens: Tensor, x: Tensor, pos: int) -> Tensor:
         """One MAC segment: h, x [B, S, d] at positions pos.. -> y [B, S, d]."""
-        return self.attend_segment(self.segment_context(x, pos, x.shape[1]), memory_tokens, 0)
+        context = self.segment_context(x, pos, x.shape[1])
+        return self.attend_segment(context.segment(0), memory_tokens)

@@ -31,12 +31,13 @@ from torch.nn import functional as F
 
 from hope.layers import MLP, RMSNorm, swiglu_hidden
 from hope.memory.deep_mlp import DeepFastWeights
+from hope.memory.ops.dispatch import compiled, resolve_backend
 from hope.memory.residual_mlp import FastWeights
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
 from hope.model.config import ModelConfig
 from hope.model.lm import LanguageModel
-from hope.model.sliding_attention import PersistentAttention
+from hope.model.sliding_attention import PersistentAttention, SegmentView
 
 
 @dataclass
@@ -190,6 +191,14 @@ class TitansMACBlock(_TitansBlock):
         read = self.memory.read(fast, queries)
         return self.memory.w_o(read.transpose(1, 2).reshape(batch, length, heads * d_head))
 
+    def _mix(
+        self, queries: Tensor, fast: FastWeights | DeepFastWeights, segment: SegmentView
+    ) -> Tensor:
+        """y [B, S, d] of one segment: Attn([P || h || S]) with h = W_o M*_{s-1}(q(S)),
+        M_{s-1} = ``fast``, the memory before this segment's write (Ti eqs. 21-22)."""
+        h = self.retrieve(queries, fast)
+        return self.attn.attend_segment(segment, self.h_norm(h))
+
     def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
         if pos % self.segment:
             raise ValueError(
@@ -202,10 +211,14 @@ class TitansMACBlock(_TitansBlock):
         # one Python iteration runs only what depends on M_{s-1}.
         context = self.attn.segment_context(x_n, pos, self.segment)
         queries = self.retrieval_queries(x_n).split(self.segment, dim=2)
+        # backend "compile": each segment's retrieval and attention as one compiled graph
+        # (the memory's own chunk step is compiled by the memory).
+        mix = TitansMACBlock._mix
+        if resolve_backend(None) == "compile":
+            mix = compiled(mix)
         memory, ys, reads = state.memory, [], []
         for index, q in enumerate(queries):
-            h = self.retrieve(q, memory.memory)  # M_{s-1}: before this segment's write
-            y = self.attn.attend_segment(context, self.h_norm(h), index)
+            y = mix(self, q, memory.memory, context.segment(index))
             m, memory = self.memory(self.write_norm(y), memory)  # reads M_{s-1}, writes y
             ys.append(y)
             reads.append(m)
