@@ -13,6 +13,7 @@ from conftest import rand64 as rand
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
+from hope.memory.ops.cms_dual import linear_coefficients
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
 
 DIM, HIDDEN = 5, 7
@@ -97,3 +98,49 @@ def test_auto_read_form_follows_rule_and_size() -> None:
     assert not erase.uses_dual_read(layout)
     with pytest.raises(ValueError, match="linear inner rule"):
         CMSLevel(DIM, HIDDEN, 1, DGDRule(0.1, erase=0.01), read_form="dual")
+
+
+def _stepped_coefficients(
+    rule: InnerRule, gates: torch.Tensor | None, n_fire: int, n_rows: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The twin of ``linear_coefficients``: the rule stepped n_fire times on one-hot
+    gradients over the sources [Δ_0, m_0, G_1..G_F], gated per sample."""
+    sources = 2 + n_fire
+    delta = torch.zeros(batch, sources, dtype=F64)
+    delta[:, 0] = 1.0
+    momentum = None
+    if rule.uses_momentum:
+        momentum = torch.zeros(batch, sources, dtype=F64)
+        momentum[:, 1] = 1.0
+    rows = [delta]
+    for j in range(n_fire):
+        grad = torch.zeros(batch, sources, dtype=F64)
+        grad[:, 2 + j] = 1.0
+        gate = None if gates is None else gates[:, j]
+        delta, momentum = rule.step(delta, momentum, grad, gate=gate)
+        rows.append(delta)
+    return torch.stack(rows[:n_rows], dim=1), delta, momentum
+
+
+@pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
+@pytest.mark.parametrize(("n_fire", "n_rows"), [(0, 1), (1, 2), (5, 3), (13, 14)])
+@pytest.mark.parametrize("gated", (False, True))
+def test_closed_form_coefficients_equal_the_stepped_rule(
+    rule: str, n_fire: int, n_rows: int, gated: bool
+) -> None:
+    """The closed form (powers of the rule's step, indexed by open-gate counts) equals
+    stepping the rule update by update, gates closed for some samples and updates."""
+    inner = LINEAR_RULES[rule]()
+    gen = torch.Generator().manual_seed(n_fire)
+    gates = torch.rand(3, n_fire, generator=gen) < 0.6 if gated else None
+    like = torch.zeros(1, dtype=F64)
+    got = linear_coefficients(inner, gates, n_fire, n_rows, 3, like)
+    want = _stepped_coefficients(inner, gates, n_fire, n_rows, 3)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-14)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-14)
+    if want[2] is None:
+        assert got[2] is None
+    else:
+        torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-14)
+    if gated and n_fire > 1:
+        assert gates is not None and not bool(gates.all())  # some update was gated off

@@ -35,6 +35,28 @@ from hope.optim.inner import InnerRule
 _CARRIED = 2
 
 
+def _transition(rule: InnerRule, like: Tensor) -> tuple[Tensor, Tensor]:
+    """The rule's open-gate step as (A [P, P], b [P]) over the state (Δ, m) (P = 2 with
+    momentum, else 1): state' = A state + b G. Read off by stepping the basis states and
+    a unit gradient (the rule is linear with scalar coefficients, ``rule.linear``)."""
+    size = 2 if rule.uses_momentum else 1
+    basis = torch.eye(size + 1, dtype=like.dtype, device=like.device)  # rows: Δ, [m,] G
+    momentum = basis[:, 1] if rule.uses_momentum else None
+    delta, momentum = rule.step(basis[:, 0], momentum, basis[:, size])
+    columns = delta.unsqueeze(0) if momentum is None else torch.stack((delta, momentum))
+    return columns[:, :size], columns[:, size]
+
+
+def _powers(matrix: Tensor, count: int) -> Tensor:
+    """[A^0, A^1, ..., A^count] [count + 1, P, P] by doubling: O(log count) products."""
+    powers = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)[None]
+    step = matrix  # A^(len(powers))
+    while powers.shape[0] <= count:
+        powers = torch.cat((powers, step @ powers), dim=0)
+        step = step @ step
+    return powers[: count + 1]
+
+
 def linear_coefficients(
     rule: InnerRule,
     gates: Tensor | None,
@@ -43,26 +65,44 @@ def linear_coefficients(
     batch: int,
     like: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Coefficients of Δ_n over the sources, by running the rule on one-hot gradients.
+    """Coefficients of Δ_n over the sources, in closed form.
 
     Returns rows [B, n_rows, S] (Δ_n for n < n_rows), and the final Δ and momentum
     coefficients [B, S] after the n_fire updates (momentum None for a rule without it).
-    Valid because the rule's update is elementwise and linear (``rule.linear``).
+    A gated update is the rule's affine step (A, b) where the gate is open and the
+    identity where it is closed, so with c_n = the open gates among updates 1..n, the
+    state after n updates is A^(c_n) on the carried (Δ_0, m_0) plus, for every open
+    update i <= n, A^(c_n - c_i) b times G_i: a gather from the powers of A, no loop over
+    updates (the token-by-token twin, the rule stepped on one-hot gradients, is
+    tests/test_cms_dual.py::_stepped_coefficients).
     """
-    sources = _CARRIED + n_fire
-    delta = like.new_zeros(batch, sources)
-    delta[:, 0] = 1.0
-    momentum = None
-    if rule.uses_momentum:
-        momentum = like.new_zeros(batch, sources)
-        momentum[:, 1] = 1.0
-    one_hot = torch.eye(sources, dtype=like.dtype, device=like.device)[_CARRIED:]
-    rows = [delta]
-    for j in range(n_fire):
-        gate = None if gates is None else gates[:, j]
-        delta, momentum = rule.step(delta, momentum, one_hot[j].expand(batch, sources), gate=gate)
-        rows.append(delta)
-    return torch.stack(rows[:n_rows], dim=1), delta, momentum
+    matrix, drive = _transition(rule, like)
+    size = matrix.shape[0]
+    powers = _powers(matrix, n_fire)  # [n_fire + 1, P, P]
+    open_ = (
+        like.new_ones(batch, n_fire)
+        if gates is None
+        else gates.to(like.dtype).expand(batch, n_fire)
+    )
+    zero = like.new_zeros(batch, 1)
+    counts = torch.cat((zero, open_.cumsum(-1)), dim=-1).long()  # [B, n_fire + 1]: c_n
+    carried = powers[counts]  # [B, n + 1, P, P]: A^(c_n)
+    since = (counts[:, :, None] - counts[:, None, 1:]).clamp_min(0)  # c_n - c_i [B, n+1, F]
+    driven = powers[since] @ drive  # [B, n + 1, F, P]: A^(c_n - c_i) b
+    updates = torch.arange(1, n_fire + 1, device=like.device)
+    after = torch.arange(n_fire + 1, device=like.device)[:, None] >= updates[None, :]  # n >= i
+    driven = driven * (after[None, :, :, None] * open_[:, None, :, None])
+
+    # state component k (0 = Δ, 1 = m) over the sources [Δ_0, m_0, G_1..G_F]
+    def component(k: int) -> Tensor:
+        carry = carried[..., k, :]  # [B, n + 1, P]
+        if size == 1:
+            carry = torch.cat((carry, torch.zeros_like(carry)), dim=-1)
+        return torch.cat((carry, driven[..., k]), dim=-1)  # [B, n + 1, S]
+
+    delta = component(0)
+    momentum = component(1)[:, -1] if size == 2 else None
+    return delta[:, :n_rows], delta[:, -1], momentum
 
 
 def _carried(
