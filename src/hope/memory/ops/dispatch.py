@@ -17,7 +17,8 @@ Backends:
   (fuses the many small ops of a chunk update); compiled lazily on first use,
   never the default. The SMT and the Titans memory compile their whole chunk
   step this way (``memory/smt.py``: generation, the fused memory pass and the
-  write; ``memory/titans_memory.py``: read, curvature and write): 12-16% off a
+  write; ``memory/titans_memory.py``: read, curvature and write), and the MAC block
+  each segment's retrieval and attention (``model/titans.py``): 12-16% off a
   tiny-shape training step on a 2-core CPU (bench, ``bench.memory_backend=compile``).
 
 The default is set once per process from the ``train.memory_backend`` /
