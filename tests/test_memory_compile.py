@@ -9,6 +9,7 @@ from torch.nn import functional as F
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
 from hope.memory.residual_mlp import (
     FastWeights,
+    chunk_kernel_bound,
     chunk_pass,
     curvature_bound,
     grad_factors,
@@ -76,6 +77,31 @@ def test_chunk_pass_equals_separate_calls(objective, residual):
     curvature = curvature_bound(x["w1"], x["w2"], x["k"])
     torch.testing.assert_close(step.curvature, curvature, rtol=0, atol=1e-14)
     assert chunk_pass(x["w1"], x["w2"], v, x["k"], None, objective, flag).read is None
+
+
+def test_chunk_pass_with_given_targets_and_fewer_queries() -> None:
+    """The Titans memory's pass: the target given (its values v_t, Ti eq. 12), reads
+    of only the last queries (a chunk completing a pending one): the same factors,
+    curvature, kernel bound and reads as the separate calls; v and target exclude
+    each other."""
+    x = _inputs(D_IN, seed=3)
+    gen = torch.Generator().manual_seed(6)
+    target = torch.randn(B, H, C, D_IN, generator=gen, dtype=DT).to(DEVICE)
+    q = torch.randn(B, H, 2, D_IN, generator=gen, dtype=DT).to(DEVICE)
+    w1, w2, k = x["w1"], x["w2"], x["k"]
+    step = chunk_pass(w1, w2, None, k, q, "l2", True, target=target)
+    assert step.target is target and step.read is not None
+    torch.testing.assert_close(step.read, mlp_apply(w1, w2, q, True), rtol=0, atol=1e-14)
+    ref = grad_factors(w1, w2, k, target, "l2", True)
+    for name in ("e", "a", "d", "pre"):
+        got, want = getattr(step.factors, name), getattr(ref, name)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+    torch.testing.assert_close(step.curvature, curvature_bound(w1, w2, k), rtol=0, atol=1e-14)
+    kernel = chunk_kernel_bound(w1, w2, k)
+    torch.testing.assert_close(step.coupling, kernel, rtol=0, atol=1e-14)
+    for v, given in ((None, None), (target, target)):
+        with pytest.raises(ValueError, match="v or the target"):
+            chunk_pass(w1, w2, v, k, q, "l2", True, target=given)
 
 
 # torch.compile (inductor) builds C++ kernels on CPU: seconds per graph on the 2-core

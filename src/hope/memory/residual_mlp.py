@@ -254,7 +254,7 @@ class ChunkPass:
     tokens along T): the self-generated targets M(v), the inner-gradient factors and
     curvature at the keys, and the reads M(q). One MLP call instead of three."""
 
-    target: Tensor  # [B, H, C, d_out]  v_hat = M(v)  (NL-arXiv eq. 84)
+    target: Tensor  # [B, H, C, d_out]  v_hat = M(v) (NL-arXiv eq. 84), or the given one
     factors: GradFactors
     curvature: Tensor  # [B, H, C]  ``curvature_bound`` at k
     read: Tensor | None  # [B, H, C, d_out]  M(q), when queries were given
@@ -265,28 +265,38 @@ class ChunkPass:
 def chunk_pass(
     w1: Tensor,
     w2: Tensor,
-    v: Tensor,
+    v: Tensor | None,
     k: Tensor,
     q: Tensor | None,
     objective: Objective,
     residual: Residual,
+    target: Tensor | None = None,
 ) -> ChunkPass:
     """``mlp_apply`` on v and q, ``grad_factors`` and ``curvature_bound`` at k, at once.
 
-    v, k, q [B, H, C, d_in]; the target is a constant of the inner loss but stays in
-    the outer graph (its only path to M_v's meta-gradient)."""
-    chunk = k.shape[2]
-    z = torch.cat([v, k] if q is None else [v, k, q], dim=2)
+    v, k, q [B, H, ·, d_in]. The inner loss's target is M(v) (the SMT's self-generated
+    v_hat), or ``target`` when given with v None (the Titans memory's values, Ti eq.
+    12); it is a constant of the inner loss but stays in the outer graph (M_v's only
+    path to its meta-gradient). Queries may be fewer than keys (a chunk completing one
+    an earlier call left pending reads only this call's tokens)."""
+    if (v is None) == (target is None):
+        raise ValueError("chunk_pass: give the values v or the target, not both")
+    parts = [t for t in (v, k, q) if t is not None]
+    z = torch.cat(parts, dim=2)
+    sizes = [t.shape[2] for t in parts]
+    at_k = 0 if v is None else 1
     pre = mlp_hidden(w2, z)
     act = F.gelu(pre)
-    out = add_residual(act @ w1.transpose(-1, -2), z, residual)
-    pre_k = pre.split(chunk, dim=2)[1]
-    act_k = act.split(chunk, dim=2)[1]
-    target, pred, *read = out.split(chunk, dim=2)  # read: [M(q)] or []
+    out = add_residual(act @ w1.transpose(-1, -2), z, residual).split(sizes, dim=2)
+    pre_k = pre.split(sizes, dim=2)[at_k]
+    act_k = act.split(sizes, dim=2)[at_k]
+    pred, read = out[at_k], (out[at_k + 1] if q is not None else None)
+    if target is None:
+        target = out[0]
     hid = _Hidden(pre_k, act_k, gelu_prime(pre_k))
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
     coupling = _kernel(hid.act.detach(), hid.slope.detach(), w1.detach(), k.detach())
-    return ChunkPass(target, factors, _curvature(w1, k, hid), read[0] if read else None, coupling)
+    return ChunkPass(target, factors, _curvature(w1, k, hid), read, coupling)
 
 
 class MemoryInit(nn.Module):

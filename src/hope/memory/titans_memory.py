@@ -53,8 +53,7 @@ from hope.memory.ops.dispatch import compiled, momentum_write, resolve_backend
 from hope.memory.residual_mlp import (
     FastWeights,
     MemoryInit,
-    chunk_kernel_bound,
-    curvature_bound,
+    chunk_pass,
     mlp_apply,
     overshoot_ratio,
 )
@@ -65,7 +64,7 @@ from hope.memory.residual_mlp import (
 _GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
 
 
-def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, end_weights: Tensor) -> Tensor:
+def chunk_step_cap(kernel: Tensor, end_weights: Tensor) -> Tensor:
     """Cap theta_max [B, H, 1] of a chunk's inner steps theta_s = theta_max sigma_s / lambda_s.
 
     A deviation (docs/FAITHFULNESS.md): the paper's theta_t is an unbounded
@@ -76,9 +75,9 @@ def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, end_weights: Tensor) -> Te
     with weight w_s (``end_weights``: ``momentum_chunk_weights``, about 1/(1 - eta)).
     Linearised, the write moves the predictions at the chunk's keys by
     -2 theta_max J C J^T e with C = diag(sigma_s w_s / lambda_s): it cannot overshoot
-    (no error grows) while
-    2 theta_max ||C^1/2 (J J^T) C^1/2|| <= 1. The kernel J_t J_s^T is bounded entrywise
-    by ``chunk_kernel_bound`` K >= 0, whose spectral norm bounds that of the block
+    (no error grows) while 2 theta_max ||C^1/2 (J J^T) C^1/2|| <= 1. The kernel
+    J_t J_s^T is bounded entrywise by ``chunk_kernel_bound`` K >= 0 (``kernel``
+    [B, H, C, C]; any memory depth), whose spectral norm bounds that of the block
     kernel; with sigma <= 1 that gives theta_max = 1 / max(1, rho),
     rho = 2 ||diag(sqrt(w/lambda)) K diag(sqrt(w/lambda))||_2 (``perron_bound``).
 
@@ -90,14 +89,7 @@ def chunk_step_cap(w1: Tensor, w2: Tensor, k: Tensor, end_weights: Tensor) -> Te
     cap 1 / (C (C + 1)) that followed lowered the inner loss of a written chunk by
     only 0.3% at the pilot chunk C = 64.
     """
-    kernel = chunk_kernel_bound(w1.detach(), w2.detach(), k.detach())  # [B, H, C, C]
-    return cap_from_kernel(kernel, end_weights)
-
-
-def cap_from_kernel(kernel: Tensor, end_weights: Tensor) -> Tensor:
-    """theta_max [B, H, 1] = 1 / max(1, rho) from a chunk's kernel bound K [B, H, C, C]
-    and the tokens' momentum weights w_s [B, H, C] (``chunk_step_cap``; any depth)."""
-    kernel, end_weights = kernel.detach(), end_weights.detach()
+    kernel, end_weights = kernel.detach(), end_weights.detach()  # [B, H, C, C], [B, H, C]
     curvature = kernel.diagonal(dim1=-2, dim2=-1).clamp_min(1.0)
     rho = overshoot_ratio(kernel, end_weights / curvature)  # [B, H]
     return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
@@ -292,19 +284,20 @@ class NeuralMemory(nn.Module):
         keep = 1.0 - alpha
         if isinstance(fast, DeepFastWeights):
             return self._deep_chunk_step(fast, q, k, v, theta, eta, keep, backend)
-        read = mlp_apply(fast.w1, fast.w2, q, residual=True)
+        # One MLP pass over [k | q]: the reads M(q), and at the keys the inner-gradient
+        # factors, the curvature and the chunk's kernel bound (Ti eq. 12's target v).
+        step = chunk_pass(fast.w1, fast.w2, None, k, q, "l2", True, target=v)
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
-        curvature = curvature_bound(fast.w1, fast.w2, k).clamp_min(1.0)
         # w_s once: the cap reads it detached, the write differentiates through it.
         weights = momentum_chunk_weights(eta, keep)
-        cap = chunk_step_cap(fast.w1, fast.w2, k, weights)
-        step = cap * theta / curvature
+        theta = chunk_step_cap(step.coupling, weights) * theta / step.curvature.clamp_min(1.0)
         fast = momentum_write(
-            fast, k, v, step, eta, keep, objective="l2", residual=True, backend=backend,
-            end_weights=weights,
+            fast, k, v, theta, eta, keep, objective="l2", residual=True, backend=backend,
+            end_weights=weights, factors=step.factors,
         )  # fmt: skip
-        return fast, read
+        assert step.read is not None
+        return fast, step.read
 
     @staticmethod
     def _deep_chunk_step(
@@ -322,7 +315,7 @@ class NeuralMemory(nn.Module):
         read = deep_apply(fast.weights, q)
         factors = deep_factors(fast.weights, k, v)
         weights = momentum_chunk_weights(eta, keep)
-        step = cap_from_kernel(factors.coupling, weights) * theta
+        step = chunk_step_cap(factors.coupling, weights) * theta
         step = step / factors.curvature.clamp_min(1.0)
         if resolve_backend(backend) == "naive":
             return naive_deep_write(fast, k, v, step, eta, keep), read

@@ -73,7 +73,7 @@ def linear_coefficients(
     identity where it is closed, so with c_n = the open gates among updates 1..n, the
     state after n updates is A^(c_n) on the carried (Δ_0, m_0) plus, for every open
     update i <= n, A^(c_n - c_i) b times G_i: a gather from the powers of A, no loop over
-    updates (the token-by-token twin, the rule stepped on one-hot gradients, is
+    updates (its twin, the rule stepped update by update on one-hot gradients, is
     tests/test_cms_dual.py::_stepped_coefficients).
     """
     matrix, drive = _transition(rule, like)

@@ -184,12 +184,14 @@ def momentum_write(
     residual: bool,
     backend: str | None = None,
     end_weights: Tensor | None = None,
+    factors: GradFactors | None = None,
 ) -> FastWeights:
     """One chunk's Titans write (Ti eqs. 13-14; chunked per Ti eqs. 16-18).
 
     ``fast.m1/m2`` hold the surprise momentum S; theta (step), eta (momentum
     decay) and keep = 1 - alpha (retention) are [B,H,C]; ``end_weights`` =
-    ``momentum_chunk_weights(eta, keep)`` when the caller has them.
+    ``momentum_chunk_weights(eta, keep)`` and ``factors`` = ``grad_factors`` at
+    ``fast`` when the caller has them (the naive backend differentiates by autograd).
     """
     name = resolve_backend(backend)
     if name == "naive":
@@ -198,7 +200,7 @@ def momentum_write(
         return fast.with_weights(*out)
     if name == "fla":
         name = "torch"  # no fla kernel for the momentum write: the closed form
-    fac = grad_factors(fast.w1, fast.w2, k, target, objective, residual)
+    fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     chunked = _chunk_fn(name, chunk_momentum_update)(
         fast.w1, fast.w2, fast.m1, fast.m2, k, fac.e, fac.a, fac.d, theta, eta, keep, end_weights
     )
