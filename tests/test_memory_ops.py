@@ -172,7 +172,8 @@ def test_curvature_closed_form_gradient_equals_its_elementary_twin(expanded_w1):
     w1 = w1_base.expand(2, -1, -1, -1) if expanded_w1 else w1_base
     inputs = (act, slope, w1_base, k)
     probe = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
-    got = residual_mlp._Curvature.apply(act, slope, w1, k)
+    got, back_sq = residual_mlp._Curvature.apply(act, slope, w1, k)
+    assert not back_sq.requires_grad  # the kernel bound's input: no graph
     ref = curvature_reference(act, slope, w1, k)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-13)
     grads = torch.autograd.grad((got * probe).sum(), inputs)
@@ -180,7 +181,7 @@ def test_curvature_closed_form_gradient_equals_its_elementary_twin(expanded_w1):
     for name, g, r in zip(("act", "slope", "w1", "k"), grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-12, msg=name)
     checked = (act, slope, w1.detach().contiguous().requires_grad_(), k)  # no stride-0 input
-    assert torch.autograd.gradcheck(residual_mlp._Curvature.apply, checked)
+    assert torch.autograd.gradcheck(lambda *t: residual_mlp._Curvature.apply(*t)[0], checked)
 
 
 def test_linear_case_gradient_is_sum_of_two_error_outer_products():

@@ -146,19 +146,22 @@ def curvature_reference(act: Tensor, slope: Tensor, w1: Tensor, k: Tensor) -> Te
 class _Curvature(torch.autograd.Function):
     """``curvature_reference`` with its gradient written out: one backward node that
     saves only small [B, H, T] / [B, H, h_m] sums beside the inputs (which the memory
-    pass keeps anyway), instead of a square and a product per input."""
+    pass keeps anyway), instead of a square and a product per input. Also returns
+    back_sq = ||W1 G_t||_F^2 [B, H, T] without a graph, which the chunk's kernel bound
+    reuses (``chunk_pass``)."""
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx, act: Tensor, slope: Tensor, w1: Tensor, k: Tensor
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         curvature, col_sq, back_sq, k_sq = _curvature_terms(act, slope, w1, k)
         ctx.save_for_backward(act, slope, w1, k, col_sq, back_sq, k_sq)
-        return curvature
+        ctx.mark_non_differentiable(back_sq)
+        return curvature, back_sq
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+        ctx: torch.autograd.function.FunctionCtx, grad: Tensor, _back_sq: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         act, slope, w1, k, col_sq, back_sq, k_sq = ctx.saved_tensors  # type: ignore[attr-defined]
         needs = ctx.needs_input_grad  # type: ignore[attr-defined]
@@ -175,8 +178,9 @@ class _Curvature(torch.autograd.Function):
         return d_act, d_slope, d_w1, d_k
 
 
-def _curvature(w1: Tensor, k: Tensor, hid: _Hidden) -> Tensor:
-    return cast(Tensor, _Curvature.apply(hid.act, hid.slope, w1, k))
+def _curvature(w1: Tensor, k: Tensor, hid: _Hidden) -> tuple[Tensor, Tensor]:
+    """(curvature [B, H, T], back_sq [B, H, T] without a graph) (``_Curvature``)."""
+    return cast(tuple[Tensor, Tensor], _Curvature.apply(hid.act, hid.slope, w1, k))
 
 
 def grad_factors(
@@ -200,12 +204,12 @@ def curvature_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
     ||a_t||^2 + ||k_t||^2 ||W1 G_t||_F^2. A gradient step of size theta on the
     l2 loss changes M(k_t) by -2 theta J J^T e_t (cf. Ti eq. 12).
     """
-    return _curvature(w1, k, _hidden(w2, k))
+    return _curvature(w1, k, _hidden(w2, k))[0]
 
 
-def _kernel(act: Tensor, slope: Tensor, w1: Tensor, k: Tensor) -> Tensor:
-    """``chunk_kernel_bound`` from the hidden layer at k (act/slope [B, H, C, h_m])."""
-    _, _, back_sq, _ = _curvature_terms(act, slope, w1, k)
+def _kernel(act: Tensor, back_sq: Tensor, k: Tensor) -> Tensor:
+    """``chunk_kernel_bound`` from the hidden activations at k (act [B, H, C, h_m]) and
+    back_sq = ||W1 G_t||_F^2 [B, H, C] (``_curvature_terms``)."""
     back = back_sq.sqrt()
     act_gram = (act @ act.transpose(-1, -2)).abs()
     key_gram = (k @ k.transpose(-1, -2)).abs()
@@ -222,7 +226,8 @@ def chunk_kernel_bound(w1: Tensor, w2: Tensor, k: Tensor) -> Tensor:
     coupling of the chunk's stale gradient steps (Ti eq. 16; NL-arXiv eq. 90).
     """
     hid = _hidden(w2, k)
-    return _kernel(hid.act, hid.slope, w1, k)
+    back_sq = _curvature_terms(hid.act, hid.slope, w1, k)[2]
+    return _kernel(hid.act, back_sq, k)
 
 
 def perron_bound(matrix: Tensor, iterations: int = 4) -> Tensor:
@@ -295,8 +300,9 @@ def chunk_pass(
         target = out[0]
     hid = _Hidden(pre_k, act_k, gelu_prime(pre_k))
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
-    coupling = _kernel(hid.act.detach(), hid.slope.detach(), w1.detach(), k.detach())
-    return ChunkPass(target, factors, _curvature(w1, k, hid), read, coupling)
+    curvature, back_sq = _curvature(w1, k, hid)
+    coupling = _kernel(hid.act.detach(), back_sq, k.detach())  # a stabiliser's input
+    return ChunkPass(target, factors, curvature, read, coupling)
 
 
 class MemoryInit(nn.Module):
