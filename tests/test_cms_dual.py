@@ -144,3 +144,20 @@ def test_closed_form_coefficients_equal_the_stepped_rule(
         torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-14)
     if gated and n_fire > 1:
         assert gates is not None and not bool(gates.all())  # some update was gated off
+
+
+@pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
+def test_linear_step_is_the_rules_own_update(rule: str) -> None:
+    """(A, b) of ``linear_step`` reproduce ``rule.step`` on random states and gradients."""
+    inner = LINEAR_RULES[rule]()
+    step, drive = inner.linear_step()
+    delta, grad = rand(4, 3, seed=1), rand(4, 3, seed=2)
+    momentum = rand(4, 3, seed=3) if inner.uses_momentum else None
+    state = [delta] if momentum is None else [delta, momentum]
+    got = inner.step(delta, momentum, grad)
+    for i, row in enumerate(step):
+        want = sum(a * s for a, s in zip(row, state, strict=True)) + drive[i] * grad
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-15)
+    assert len(step) == len(drive) == (2 if inner.uses_momentum else 1)
+    with pytest.raises(NotImplementedError, match="not a linear rule"):
+        DGDRule(0.1, erase=0.5).linear_step()

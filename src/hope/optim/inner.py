@@ -71,6 +71,11 @@ class InnerRule(ABC):
     # combination of Δ_0, m_0 and the chunk gradients (the CMS dual read relies on it).
     linear: bool = False
 
+    def linear_step(self) -> tuple[list[list[float]], list[float]]:
+        """A linear rule's open-gate update as (A, b): state' = A state + b G over the
+        state (Δ) or (Δ, m), from the rule's own coefficients (host floats)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a linear rule")
+
     @abstractmethod
     def _update(
         self,
@@ -111,6 +116,9 @@ class GDRule(InnerRule):
     def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
         return self.retention * delta - self.lr * grad, momentum
 
+    def linear_step(self) -> tuple[list[list[float]], list[float]]:
+        return [[self.retention]], [-self.lr]
+
 
 class MomentumRule(InnerRule):
     """Momentum as a memory of gradients (NL §2.3): m ← βm − ηG; Δ ← αΔ + m."""
@@ -125,6 +133,10 @@ class MomentumRule(InnerRule):
     def _update(self, delta, momentum, grad, inputs, weight):  # type: ignore[no-untyped-def]
         new_m = self.beta * momentum - self.lr * grad
         return self.retention * delta + new_m, new_m
+
+    def linear_step(self) -> tuple[list[list[float]], list[float]]:
+        # Δ' = αΔ + (βm − ηG), m' = βm − ηG
+        return [[self.retention, self.beta], [0.0, self.beta]], [-self.lr, -self.lr]
 
 
 class DGDRule(InnerRule):

@@ -35,26 +35,25 @@ from hope.optim.inner import InnerRule
 _CARRIED = 2
 
 
-def _transition(rule: InnerRule, like: Tensor) -> tuple[Tensor, Tensor]:
-    """The rule's open-gate step as (A [P, P], b [P]) over the state (Δ, m) (P = 2 with
-    momentum, else 1): state' = A state + b G. Read off by stepping the basis states and
-    a unit gradient (the rule is linear with scalar coefficients, ``rule.linear``)."""
-    size = 2 if rule.uses_momentum else 1
-    basis = torch.eye(size + 1, dtype=like.dtype, device=like.device)  # rows: Δ, [m,] G
-    momentum = basis[:, 1] if rule.uses_momentum else None
-    delta, momentum = rule.step(basis[:, 0], momentum, basis[:, size])
-    columns = delta.unsqueeze(0) if momentum is None else torch.stack((delta, momentum))
-    return columns[:, :size], columns[:, size]
-
-
-def _powers(matrix: Tensor, count: int) -> Tensor:
-    """[A^0, A^1, ..., A^count] [count + 1, P, P] by doubling: O(log count) products."""
-    powers = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)[None]
-    step = matrix  # A^(len(powers))
-    while powers.shape[0] <= count:
-        powers = torch.cat((powers, step @ powers), dim=0)
-        step = step @ step
-    return powers[: count + 1]
+def _powers(rule: InnerRule, count: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """A^k [count + 1, P, P] and A^k b [count + 1, P] for k = 0..count, (A, b) the rule's
+    open-gate step (``rule.linear_step``). Computed on the host in double precision from
+    the rule's coefficients and copied to ``like``'s device once (no device sync, and a
+    number of launches that does not depend on ``count``)."""
+    step, drive = rule.linear_step()
+    size = len(drive)
+    power = [[float(i == j) for j in range(size)] for i in range(size)]
+    matrices, vectors = [], []
+    for _ in range(count + 1):
+        matrices.append(power)
+        vectors.append([sum(power[i][j] * drive[j] for j in range(size)) for i in range(size)])
+        power = [
+            [sum(step[i][m] * power[m][j] for m in range(size)) for j in range(size)]
+            for i in range(size)
+        ]
+    host = (torch.tensor(matrices, dtype=torch.float64), torch.tensor(vectors, dtype=torch.float64))
+    m, v = (t.to(like.device, like.dtype, non_blocking=True) for t in host)
+    return m, v
 
 
 def linear_coefficients(
@@ -72,13 +71,12 @@ def linear_coefficients(
     A gated update is the rule's affine step (A, b) where the gate is open and the
     identity where it is closed, so with c_n = the open gates among updates 1..n, the
     state after n updates is A^(c_n) on the carried (Δ_0, m_0) plus, for every open
-    update i <= n, A^(c_n - c_i) b times G_i: a gather from the powers of A, no loop over
-    updates (its twin, the rule stepped update by update on one-hot gradients, is
+    update i <= n, A^(c_n - c_i) b times G_i: a gather from the powers of A, no device
+    work per update (its twin, the rule stepped update by update on one-hot gradients, is
     tests/test_cms_dual.py::_stepped_coefficients).
     """
-    matrix, drive = _transition(rule, like)
-    size = matrix.shape[0]
-    powers = _powers(matrix, n_fire)  # [n_fire + 1, P, P]
+    powers, driven_by = _powers(rule, n_fire, like)  # A^k [n_fire + 1, P, P], A^k b [.., P]
+    size = powers.shape[-1]
     open_ = (
         like.new_ones(batch, n_fire)
         if gates is None
@@ -88,7 +86,7 @@ def linear_coefficients(
     counts = torch.cat((zero, open_.cumsum(-1)), dim=-1).long()  # [B, n_fire + 1]: c_n
     carried = powers[counts]  # [B, n + 1, P, P]: A^(c_n)
     since = (counts[:, :, None] - counts[:, None, 1:]).clamp_min(0)  # c_n - c_i [B, n+1, F]
-    driven = powers[since] @ drive  # [B, n + 1, F, P]: A^(c_n - c_i) b
+    driven = driven_by[since]  # [B, n + 1, F, P]: A^(c_n - c_i) b
     updates = torch.arange(1, n_fire + 1, device=like.device)
     after = torch.arange(n_fire + 1, device=like.device)[:, None] >= updates[None, :]  # n >= i
     driven = driven * (after[None, :, :, None] * open_[:, None, :, None])
