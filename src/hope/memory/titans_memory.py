@@ -291,9 +291,9 @@ class NeuralMemory(nn.Module):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
         # w_s once: the cap reads it detached, the write differentiates through it.
         weights = momentum_chunk_weights(eta, keep)
-        theta = chunk_step_cap(step.coupling, weights) * theta / step.curvature.clamp_min(1.0)
+        rate = chunk_step_cap(step.coupling, weights) * theta / step.curvature.clamp_min(1.0)
         fast = momentum_write(
-            fast, k, v, theta, eta, keep, objective="l2", residual=True, backend=backend,
+            fast, k, v, rate, eta, keep, objective="l2", residual=True, backend=backend,
             end_weights=weights, factors=step.factors,
         )  # fmt: skip
         assert step.read is not None
