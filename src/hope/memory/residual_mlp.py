@@ -285,7 +285,7 @@ def chunk_pass(
     path to its meta-gradient). Queries may be fewer than keys (a chunk completing one
     an earlier call left pending reads only this call's tokens)."""
     if (v is None) == (target is None):
-        raise ValueError("chunk_pass: give the values v or the target, not both")
+        raise ValueError("chunk_pass: give exactly one of the values v or the target")
     parts = [t for t in (v, k, q) if t is not None]
     z = torch.cat(parts, dim=2)
     sizes = [t.shape[2] for t in parts]
