@@ -306,7 +306,11 @@ def test_mac_attention_sees_memory_tokens_causally_and_persistent_tokens_always(
     module = swa(window=6)
     gen = torch.Generator().manual_seed(5)
     h, x = (torch.randn(1, 4, 16, dtype=DT, generator=gen) for _ in range(2))
-    y = module.forward_with_context(h, x, 8)
+
+    def attend(h: torch.Tensor) -> torch.Tensor:  # one segment of 4 tokens at position 8
+        return module.attend_segment(module.segment_context(x, 8, 4).segment(0), h)
+
+    y = attend(h)
     # The memory tokens' k/v-only projection is the fused projection's k and v rows.
     rotary = module.rotary(8, 4, x)
     _, _, k_full, v_full = module._heads(h, rotary)
@@ -315,13 +319,13 @@ def test_mac_attention_sees_memory_tokens_causally_and_persistent_tokens_always(
     for j in range(4):
         h_p = h.clone()
         h_p[:, j] += 1.0
-        y_p = module.forward_with_context(h_p, x, 8)
+        y_p = attend(h_p)
         torch.testing.assert_close(y_p[:, :j], y[:, :j], rtol=0, atol=0)
         assert (y_p[:, j:] - y[:, j:]).abs().amax(-1).min() > 1e-6
     assert module.persistent is not None
     with torch.no_grad():
         module.persistent.add_(0.5)
-    y_p = module.forward_with_context(h, x, 8)
+    y_p = attend(h)
     assert (y_p - y).abs().amax(-1).min() > 1e-6
 
 

@@ -6,7 +6,7 @@ Two masks over one set of projections (inherited from ``CausalSelfAttention``):
   Fig. 3b). Query t sees the keys at t-W+1..t (W = ``window``, itself included),
   plus the N_p persistent tokens. A KV cache of the last W-1 tokens makes chained
   calls equal one call for any split.
-- ``forward_with_context``: MAC's segment attention Attn([P || h || S]) (Ti eqs. 21-23,
+- ``attend_segment``: MAC's segment attention Attn([P || h || S]) (Ti eqs. 21-23,
   Fig. 3a): query i of a segment sees P, the memory tokens h_0..h_i and the segment
   tokens S_0..S_i. h_j = M*(q(S_j)) is read with S_j's own query, so it is visible
   causally (j <= i), not fully: a fully visible h_j (j > i) would leak token j.
@@ -211,8 +211,3 @@ class PersistentAttention(CausalSelfAttention):
         k = torch.cat((k_h, segment.k), dim=2)
         v = torch.cat((v_h, segment.v), dim=2)
         return self._attend(segment.q, segment.q_rot, k, v, segment.mask, segment.persistent)
-
-    def forward_with_context(self, memory_tokens: Tensor, x: Tensor, pos: int) -> Tensor:
-        """One MAC segment: h, x [B, S, d] at positions pos.. -> y [B, S, d]."""
-        context = self.segment_context(x, pos, x.shape[1])
-        return self.attend_segment(context.segment(0), memory_tokens)
