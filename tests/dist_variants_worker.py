@@ -2,7 +2,9 @@
 
 For every variant and both parallel modes: 3 float64 training steps, each rank on its
 half of the batch, then the whole parameters gathered; rank 0 trains the same model
-on the whole batch in one process and writes the largest differences to argv[1]."""
+on the whole batch in one process and writes the largest differences to argv[1].
+Under FSDP it also records the FSDP units and the most blocks ever holding whole
+(gathered) parameters at once, probed before every block submodule's forward."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import hope
 from hope.model.zoo import VARIANTS
@@ -36,10 +41,35 @@ def batches(cfg: hope.Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def train(cfg: hope.Config, env: d.DistEnv, parallel: str) -> tuple[dict, list[float]]:
+def gathered_probe(model: nn.Module) -> list[int]:
+    """[most blocks gathered at once]: counted before every block submodule's forward."""
+    blocks = list(model.blocks)  # type: ignore[arg-type]
+    peak = [0]
+
+    def probe(*_: object) -> None:
+        whole = sum(not isinstance(next(b.parameters()), DTensor) for b in blocks)
+        peak[0] = max(peak[0], whole)
+
+    for block in blocks:
+        for sub in block.modules():
+            if sub is not block:
+                sub.register_forward_pre_hook(probe)
+    return peak
+
+
+def units(model: nn.Module) -> dict[str, int]:
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    blocks = [b for b in model.blocks if isinstance(b, FSDPModule)]  # type: ignore[attr-defined]
+    return {"units": len(fsdp), "block_units": len(blocks)}
+
+
+def train(
+    cfg: hope.Config, env: d.DistEnv, parallel: str
+) -> tuple[dict, list[float], dict[str, int]]:
     torch.manual_seed(0)
     model = hope.build_model(cfg.model).double()
     wrapped = d.wrap(model, env, torch.device("cpu"), parallel)
+    peak = gathered_probe(model)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, STEPS)
     rows = env.rows(cfg.train.batch_size)
@@ -47,8 +77,9 @@ def train(cfg: hope.Config, env: d.DistEnv, parallel: str) -> tuple[dict, list[f
     for x, y in batches(cfg):
         loss = train_step(model, optimizer, scheduler, x[rows], y[rows], 1.0, None, ddp=wrapped)
         losses.append(float(d.all_reduce_sum(loss.detach().clone(), env)) / env.world_size)
+    shape = {**units(model), "peak_gathered_blocks": peak[0]}
     params, _ = state_dicts.gather(model, optimizer, by_name=parallel == "fsdp")
-    return params, losses
+    return params, losses, shape
 
 
 def main() -> None:
@@ -58,17 +89,23 @@ def main() -> None:
     # under FSDP (the backward's rerun of a block gathers its shard again).
     runs = [(v, p, "") for v in VARIANTS for p in ("ddp", "fsdp")]
     runs += [(v, "fsdp", "+ckpt") for v in ("hope", "titans_mac")]
-    singles: dict[str, tuple[dict, list[float]]] = {}
+    runs += [("hope", "fsdp", "+exact_online")]
+    singles: dict[str, tuple[dict, list[float], dict[str, int]]] = {}
     report = {}
     for variant, parallel, tag in runs:
-        extra = ["model.checkpoint_blocks=true"] if tag else []
+        extra = {
+            "": [], "+ckpt": ["model.checkpoint_blocks=true"],
+            "+exact_online": ["model.cms_mode=exact_online"],
+        }[tag]  # fmt: skip
         cfg = hope.load_config(None, [*OVERRIDES, f"model.variant={variant}", *extra])
-        if env.is_main and variant not in singles:
-            singles[variant] = train(cfg, d.DistEnv(), "ddp")
-        params, losses = train(cfg, env, parallel)
+        key = variant + (tag if tag == "+exact_online" else "")
+        if env.is_main and key not in singles:
+            singles[key] = train(cfg, d.DistEnv(), "ddp")
+        params, losses, shape = train(cfg, env, parallel)
         if env.is_main:
-            ref_params, ref_losses = singles[variant]
+            ref_params, ref_losses, _ = singles[key]
             report[f"{variant}/{parallel}{tag}"] = {
+                **(shape if parallel == "fsdp" else {}),
                 "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
                 "params": max(
                     float((params[k].double() - v.double()).abs().max())

@@ -1,5 +1,5 @@
-"""Data parallelism is exact for every variant: two gloo ranks (DDP, and FSDP2; with
-checkpointed blocks too) train what one process trains on
+"""Data parallelism is exact for every variant: two gloo ranks (DDP, and FSDP2 with one
+unit per block; with checkpointed blocks too) train what one process trains on
 the whole batch, float64, 3 steps — fast state is per sample, so each rank's rows give
 exactly their share of the gradient."""
 
@@ -31,7 +31,25 @@ def test_every_variant_trains_the_same_on_two_ranks_ddp_and_fsdp(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     expected = {f"{v}/{p}" for v in VARIANTS for p in ("ddp", "fsdp")}
-    assert set(report) == expected | {"hope/fsdp+ckpt", "titans_mac/fsdp+ckpt"}
+    extra = {"hope/fsdp+ckpt", "titans_mac/fsdp+ckpt", "hope/fsdp+exact_online"}
+    assert set(report) == expected | extra
     for run, diff in report.items():
         # float64: only the order of the two halves' gradient sums differs.
         assert diff["loss"] <= 1e-10 and diff["params"] <= 1e-10, (run, diff)
+    layers = 2  # the worker's model.n_layers
+    for run, shape in report.items():
+        if not run.split("/")[1].startswith("fsdp"):
+            continue
+        if run.endswith("exact_online"):  # the whole model is the root's one unit
+            assert shape["units"] == 0 and shape["peak_gathered_blocks"] == layers, run
+            continue
+        assert shape["block_units"] == layers, (run, shape)
+        # Memory inits are units of their own (hope: 5 SMT memories per layer; Titans:
+        # one; the transformer none).
+        variant = run.split("/")[0]
+        inits = 5 if variant == "hope" else 1 if variant.startswith("titans") else 0
+        assert shape["units"] == layers * (1 + inits), (run, shape)
+        # One block's parameters whole at a time; HOPE's teach pass A gathers them all
+        # (its gradient is taken inside the forward, docs/SCALING.md).
+        peak = layers if run.startswith("hope") else 1
+        assert shape["peak_gathered_blocks"] == peak, (run, shape)

@@ -122,10 +122,11 @@ class SelfModifyingTitans(nn.Module):
         return state
 
     def _no_tokens(self, batch_size: int) -> Generated:
-        """An empty pending buffer (zero tokens)."""
-        weight = self.alpha_bias
-        vec = weight.new_zeros(batch_size, self.n_heads, 0, self.d_head)
-        gate = weight.new_zeros(batch_size, self.n_heads, 0)
+        """An empty pending buffer (zero tokens). ``torch.zeros``, not ``new_zeros``: under
+        per-block FSDP units the parameter is a sharded DTensor here."""
+        dtype, device = self.alpha_bias.dtype, self.alpha_bias.device
+        vec = torch.zeros(batch_size, self.n_heads, 0, self.d_head, dtype=dtype, device=device)
+        gate = torch.zeros(batch_size, self.n_heads, 0, dtype=dtype, device=device)
         return Generated(vec, vec.clone(), vec.clone(), gate, gate.clone())
 
     def _group(self, names: tuple[str, ...]) -> MemoryGroup:

@@ -196,9 +196,10 @@ class NeuralMemory(nn.Module):
                 f"init_state device {device} != module device {self.w_o.weight.device}"
             )
         tail = None if self.conv is None else self.conv.init_tail(batch_size)
-        weight = self.w_o.weight
-        empty = weight.new_zeros(batch_size, self.n_heads, 0, self.d_head)
-        gates = weight.new_zeros(batch_size, self.n_heads, 0)
+        # torch.zeros, not new_zeros: under per-block FSDP units w_o is a sharded DTensor.
+        dtype, device = self.w_o.weight.dtype, self.w_o.weight.device
+        empty = torch.zeros(batch_size, self.n_heads, 0, self.d_head, dtype=dtype, device=device)
+        gates = torch.zeros(batch_size, self.n_heads, 0, dtype=dtype, device=device)
         pending = PendingChunk(empty, empty.clone(), gates, gates.clone(), gates.clone())
         return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 

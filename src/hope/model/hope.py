@@ -38,7 +38,7 @@ from hope.model.attention import (
     extend_valid,
 )
 from hope.model.config import ModelConfig
-from hope.model.lm import LanguageModel, LMState
+from hope.model.lm import LanguageModel, LMState, ShardUnit
 from hope.model.teach import exact_online_forward, teach_pass_forward
 
 
@@ -119,6 +119,11 @@ class HopeBlockState:
 class HopeBlock(nn.Module):
     """x += Mixer(N(x)); x = CMS(x). The mixer is the only difference between variants."""
 
+    # Called by the teach pass besides forward: an FSDP unit gathers for them too
+    # (``LanguageModel.shard_units``); pass A's ``teach_read`` runs under
+    # ``blocks_gathered`` instead, its gradient being taken inside the forward.
+    sharded_methods = ("mix", "teach_write")
+
     def __init__(self, cfg: ModelConfig, mixer: nn.Module) -> None:
         super().__init__()
         self.mixer_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -135,6 +140,11 @@ class HopeBlock(nn.Module):
 
     def mix(self, x: torch.Tensor, mixer_state: Any, pos: int) -> tuple[torch.Tensor, Any]:
         """x [B, T, d] at absolute positions pos.. -> (x + Mixer(N(x)), new mixer state)."""
+        return self._mix(x, mixer_state, pos)
+
+    def _mix(self, x: torch.Tensor, mixer_state: Any, pos: int) -> tuple[torch.Tensor, Any]:
+        # What the block's own methods call: ``mix`` may be wrapped by FSDP's hooks
+        # (``sharded_methods``), which would free the parameters on return mid-method.
         out, mixer_state = self.mixer(self.mixer_norm(x), mixer_state, pos)
         return x + out, mixer_state
 
@@ -173,7 +183,7 @@ class HopeBlock(nn.Module):
     ) -> tuple[torch.Tensor, HopeBlockState]:
         """This layer in pass B: mix (or take ``mixed``, the first layer's), then every
         CMS level writes with its δ and reads θ0 + sg(Δ_n) per chunk."""
-        x, mixer_state = self.mix(x, state.mixer, pos) if mixed is None else mixed
+        x, mixer_state = self._mix(x, state.mixer, pos) if mixed is None else mixed
         x, cms_state = self.cms.teach_forward(x, teaches, state.cms, **surprise)
         return x, HopeBlockState(mixer_state, cms_state)
 
@@ -181,7 +191,7 @@ class HopeBlock(nn.Module):
         self, x: torch.Tensor, state: HopeBlockState, pos: int
     ) -> tuple[torch.Tensor, HopeBlockState]:
         """Read path: CMS levels read θ0 + sg(Δ) with the current Δ and do not write."""
-        x, mixer_state = self.mix(x, state.mixer, pos)
+        x, mixer_state = self._mix(x, state.mixer, pos)
         x, _ = self.cms.read(x, state.cms)
         return x, HopeBlockState(mixer_state, state.cms)
 
@@ -197,6 +207,12 @@ class HopeLM(LanguageModel):
             raise TypeError("HopeLM needs HopeBlock blocks")
         self.cms_mode = cfg.cms_mode
         self.piece = cfg.cms_periods[0]  # C1: the finest CMS period, the teach granularity
+
+    def shard_units(self) -> list[ShardUnit]:
+        """None under ``exact_online``: it calls the CMS outside the blocks' methods and
+        backpropagates through those calls in the step's backward, so the whole model
+        stays one FSDP unit there."""
+        return [] if self.cms_mode == "exact_online" else super().shard_units()
 
     def hope_blocks(self) -> list[HopeBlock]:
         return [cast(HopeBlock, b) for b in self.blocks]

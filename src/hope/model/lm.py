@@ -7,18 +7,22 @@ Blocks follow one contract: ``init_state(batch_size, device) -> state`` and
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from hope.layers import RMSNorm
+from hope.memory.deep_mlp import DeepMemoryInit
 from hope.memory.fast_state import restore_state
+from hope.memory.residual_mlp import MemoryInit
 from hope.model.config import ModelConfig
 
 
@@ -34,6 +38,17 @@ class LMState:
 
 
 _Out = TypeVar("_Out")
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """A module a sharding wrapper (FSDP2) may gather and free on its own: the methods
+    besides ``forward`` that the model calls on it from outside (each gathers its
+    parameters too), and whether it frees them after each call or at the backward's end."""
+
+    module: nn.Module
+    methods: tuple[str, ...] = ()
+    free_after_forward: bool = True
 
 
 class LanguageModel(nn.Module):
@@ -75,6 +90,36 @@ class LanguageModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    def shard_units(self) -> list[ShardUnit]:
+        """The units ``train.parallel=fsdp`` shards one by one, innermost first; what is
+        left (embedding, final norm) is the root's.
+
+        Memories' initial weights are units of their own, gathered by ``init_state``
+        and kept until the backward ends: a fresh state holds views of them through
+        the whole step, read by every block call. Blocks are gathered for each call of
+        ``forward`` or of the methods they name in ``sharded_methods``."""
+        inits = [
+            ShardUnit(m, ("init_state",), free_after_forward=False)
+            for m in self.modules()
+            if isinstance(m, (MemoryInit, DeepMemoryInit))
+        ]
+        blocks = [ShardUnit(b, tuple(getattr(b, "sharded_methods", ()))) for b in self.blocks]
+        return inits + blocks
+
+    @contextlib.contextmanager
+    def blocks_gathered(self) -> Iterator[None]:
+        """Every block's parameters whole for the duration when blocks are FSDP units (a
+        no-op otherwise): for a pass that calls block methods outside their FSDP hooks
+        and consumes its own gradient within the forward (``teach_pass``'s pass A)."""
+        units = [b for b in self.blocks if isinstance(b, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

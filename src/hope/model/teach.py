@@ -157,7 +157,7 @@ def teach_signal(
     if first_mixed is None:
         with torch.no_grad():
             first_mixed, _ = blocks[0].mix(model.embed(tokens), state.blocks[0].mixer, state.pos)
-    with torch.enable_grad():
+    with torch.enable_grad(), model.blocks_gathered():
         # A leaf that requires grad: taps stay differentiable even if θ is frozen.
         x = first_mixed.detach().requires_grad_(True)
         outputs: list[Tensor] = []

@@ -12,29 +12,30 @@ at a rendezvous); under an existing torchrun environment — ``WORLD_SIZE``, ``R
 ``LOCAL_RANK`` — it joins the process group instead. Rank 0 alone writes checkpoints and reports.
 
 ``train.parallel=fsdp``: FSDP2 (``fully_shard``) instead of DDP. Parameters, gradients
-and AdamW state are sharded over the ranks at rest; the whole model is one FSDP unit,
-gathered for each forward and backward (not one unit per block: the fast states' initial
-values are meta-parameters read by ``init_state`` outside any forward, and HOPE's teach
-pass A runs an ``autograd.grad`` inside the forward, which FSDP2's per-unit hooks would
-end as a whole backward; docs/SCALING.md). bf16 comes from autocast as on one device (no
-FSDP parameter cast: the fast-state arithmetic keeps its precision); gradients are
-reduced in the parameters' dtype (fp32). Checkpoints are gathered to the same single
-file as ever (``full_state_dict``), so a run resumes on any world size and the release
-reads it unchanged; the optimizer state is stored by parameter name (``state_dicts``).
+and AdamW state are sharded over the ranks at rest; each block is an FSDP unit (and each
+memory's initial weights, kept gathered through the step: a fresh state holds views of
+them), the model's ``shard_units``; HOPE's teach pass A gathers every block at once
+(``LanguageModel.blocks_gathered``: its gradient is taken inside the forward;
+docs/SCALING.md). bf16 comes from autocast as on one device (no FSDP parameter cast:
+the fast-state arithmetic keeps its precision); gradients are reduced in the
+parameters' dtype (fp32). Checkpoints are gathered to the same single file as ever
+(``full_state_dict``), so a run resumes on any world size and the release reads it
+unchanged; the optimizer state is stored by parameter name (``state_dicts``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.nn.parallel import DistributedDataParallel
 
 from hope.config import Config
@@ -133,10 +134,19 @@ def wrap(
     if not env.enabled:
         return None
     if parallel == "fsdp":
-        # One FSDP unit over the whole model (docs/SCALING.md says why not one per
-        # block). No MixedPrecisionPolicy: parameters stay in their dtype (fp32; fp64
-        # in tests) and gradients are reduced in it; bf16 compute is autocast's, as on
-        # one device.
+        # One FSDP unit per block and per memory init (the model's ``shard_units``),
+        # the rest in the root's. No MixedPrecisionPolicy: parameters stay in their
+        # dtype (fp32; fp64 in tests) and gradients are reduced in it; bf16 compute is
+        # autocast's, as on one device.
+        # FSDP2 warns when a unit returns views (a fresh state's W0.expand, state
+        # slices): an in-place op on one would skip its pre-backward hook. The states
+        # are never edited in place; tests/test_distributed_variants.py checks every
+        # variant against one process to 1e-10.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        for unit in cast(Any, model).shard_units():
+            fully_shard(unit.module, reshard_after_forward=unit.free_after_forward)
+            for method in unit.methods:
+                register_fsdp_forward_method(unit.module, method)
         root = TrainingLoss(model)
         fully_shard(root)
         return cast(FSDPModule, root)
