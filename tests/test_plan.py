@@ -4,6 +4,8 @@ they claim, and the command plans the tiny preset (bad input: one line, exit 2).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from hope.train.plan import (
     Activations,
     Fit,
     _fit,
+    gathered_bytes,
     main,
     make_plan,
     measure,
@@ -59,6 +62,10 @@ def test_fit_is_exact_on_a_line_and_plan_picks_the_largest_fitting_divisor() -> 
     assert plan.peak_gib == pytest.approx(MARGIN * (state + GIB) / GIB)
     sharded = make_plan(cfg, acts, memory, gpus=2, fsdp=True)
     assert sharded.state_gib == pytest.approx(plan.state_gib / 2)
+    gathered = gathered_bytes(build_model(cfg.model)) / GIB
+    assert plan.gathered_gib == 0 and sharded.gathered_gib == pytest.approx(gathered)
+    rows = sharded.micro_batch * 0.25  # type: ignore[operator]
+    assert sharded.peak_gib == pytest.approx(MARGIN * (sharded.state_gib + gathered + rows))
     assert make_plan(cfg, acts, 0.1, gpus=2, fsdp=False).micro_batch is None
 
 
@@ -102,3 +109,40 @@ def test_the_readme_plan_command_runs(capsys: pytest.CaptureFixture[str]) -> Non
     )
     assert main(shlex.split(command)[3:]) == 0
     assert "tiny (hope," in capsys.readouterr().out
+
+
+def _sizes(model: nn.Module) -> tuple[int, int, int]:
+    """(all parameters, one block's without its memory inits, the memory inits)."""
+    inits = sum(
+        p.numel()
+        for m in model.modules()
+        if type(m).__name__ in ("MemoryInit", "DeepMemoryInit")
+        for p in m.parameters()
+    )
+    block = sum(p.numel() for p in model.blocks[0].parameters())  # type: ignore[index]
+    layers = len(model.blocks)  # type: ignore[arg-type]
+    return sum(p.numel() for p in model.parameters()), block - inits // layers, inits
+
+
+@pytest.mark.parametrize(
+    "variant, mode, expected",
+    [
+        # (weights and gradients of the root and inits) + the running and next block's
+        ("transformer", "teach_pass", lambda r, b: 8 * (r + 2 * b)),
+        ("titans_mac", "teach_pass", lambda r, b: 8 * (r + 2 * b)),
+        ("hope", "static", lambda r, b: 8 * (r + 2 * b)),  # training: a plain forward
+        ("hope", "teach_pass", lambda r, b: 8 * r + 4 * 6 * b),  # pass A: 6 blocks' weights
+        ("hope", "exact_online", lambda r, b: 8 * (r + 6 * b)),  # one unit, whole model
+    ],
+)
+def test_gathered_bytes_count_the_units_held_whole_at_once(
+    variant: str, mode: str, expected: Callable[[int, int], int]
+) -> None:
+    cfg = load_config(
+        None, ["preset=tiny", "model.n_layers=6", f"model.variant={variant}",
+               f"model.cms_mode={mode}"],
+    )  # fmt: skip
+    model = build_model(cfg.model)
+    total, block, _ = _sizes(model)
+    kept = total - 6 * block  # embedding/head, final norm, memory inits
+    assert gathered_bytes(model) == expected(kept, block)

@@ -214,6 +214,10 @@ class HopeLM(LanguageModel):
         stays one FSDP unit there."""
         return [] if self.cms_mode == "exact_online" else super().shard_units()
 
+    @property
+    def gathers_all_blocks(self) -> bool:
+        return self.cms_mode == "teach_pass"  # pass A (model/teach.py)
+
     def hope_blocks(self) -> list[HopeBlock]:
         return [cast(HopeBlock, b) for b in self.blocks]
 

@@ -107,6 +107,12 @@ class LanguageModel(nn.Module):
         blocks = [ShardUnit(b, tuple(getattr(b, "sharded_methods", ()))) for b in self.blocks]
         return inits + blocks
 
+    @property
+    def gathers_all_blocks(self) -> bool:
+        """Whether a training step holds every block's parameters at once (under
+        ``blocks_gathered``); the memory planner counts them."""
+        return False
+
     @contextlib.contextmanager
     def blocks_gathered(self) -> Iterator[None]:
         """Every block's parameters whole for the duration when blocks are FSDP units (a

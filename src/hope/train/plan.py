@@ -14,10 +14,11 @@ same count gives what each block keeps (its inputs); backward then reruns one bl
 at a time, so one block's whole activations (fitted the same way with checkpointing
 off) are added once. A third, longer length is predicted before it is measured: that
 error is the plan's error bar. Model state per GPU: fp32 weights, gradients and
-AdamW's two moments, 16 bytes per parameter (divided over the GPUs under FSDP). Peak
-= state + micro-batch x activations per row, times a 1.2 margin for the backward's
-transient gradients and allocator fragmentation (an assumption, stated, until a GPU
-measures it: scripts/gpu_check.sh).
+AdamW's two moments, 16 bytes per parameter (divided over the GPUs under FSDP); under
+FSDP plus what is gathered whole at once (``gathered_bytes``: fp32 weights and their
+unsharded gradients). Peak = state + micro-batch x activations
+per row, times a 1.2 margin for the backward's transient gradients and allocator
+fragmentation (an assumption, stated, until a GPU measures it: scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ import torch
 from hope.config import Config, load_config
 from hope.errors import ConfigError
 from hope.model.config import ModelConfig
+from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
 
 MARGIN = 1.2  # backward transients and fragmentation (assumed; see the module doc)
 STATE_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
+WEIGHT_BYTES = 4  # a gathered fp32 weight
+WEIGHT_AND_GRAD_BYTES = 8  # and its unsharded fp32 gradient
 GIB = 1024**3
 
 
@@ -168,6 +172,7 @@ def measure(cfg: Config, lengths: tuple[int, int, int], amp: torch.dtype | None)
 class Plan:
     params: int
     state_gib: float  # per GPU
+    gathered_gib: float  # per GPU, under FSDP: parameters held whole at once
     activations_gib_per_row: float
     micro_batch: int | None  # largest that fits (None: not even one row)
     grad_accum: int | None
@@ -175,22 +180,44 @@ class Plan:
     holdout_error: float
 
 
+def gathered_bytes(model: LanguageModel) -> int:
+    """Bytes of parameters held whole on each GPU at once under FSDP (``shard_units``),
+    fp32: the root and the memory inits for the whole step, weights and gradients; and
+    two blocks' weights and gradients (the one running and the next, prefetched) —
+    or, when the model gathers every block together (HOPE's teach pass A, before any
+    gradient exists), every block's weights, whichever is more. Without units the whole
+    model is one: every weight and gradient."""
+    total = sum(p.numel() for p in model.parameters())
+    units = model.shard_units()
+    kept = {id(p) for u in units if not u.free_after_forward for p in u.module.parameters()}
+    blocks = [u.module for u in units if u.free_after_forward]
+    if not blocks:
+        return WEIGHT_AND_GRAD_BYTES * total
+    sizes = [sum(p.numel() for p in b.parameters() if id(p) not in kept) for b in blocks]
+    per_call = WEIGHT_AND_GRAD_BYTES * sum(sorted(sizes)[-2:])
+    together = WEIGHT_BYTES * sum(sizes) if model.gathers_all_blocks else 0
+    return WEIGHT_AND_GRAD_BYTES * (total - sum(sizes)) + max(per_call, together)
+
+
 def make_plan(cfg: Config, acts: Activations, gpu_mem_gb: float, gpus: int, fsdp: bool) -> Plan:
-    model_params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    model = build_model(cfg.model)
+    model_params = sum(p.numel() for p in model.parameters())
     state = STATE_BYTES_PER_PARAM * model_params / (gpus if fsdp else 1)
+    gathered = gathered_bytes(model) if fsdp else 0
     row = acts.per_row(cfg.data.seq_len, cfg.model.n_layers)
     rows_per_gpu = cfg.train.batch_size // gpus
     budget = gpu_mem_gb * GIB  # GPU memory as nvidia-smi counts it (GiB)
     fits = [m for m in range(1, rows_per_gpu + 1) if rows_per_gpu % m == 0]
-    fits = [m for m in fits if MARGIN * (state + m * row) <= budget]
+    fits = [m for m in fits if MARGIN * (state + gathered + m * row) <= budget]
     micro = max(fits) if fits else None
     return Plan(
         params=model_params,
         state_gib=state / GIB,
+        gathered_gib=gathered / GIB,
         activations_gib_per_row=row / GIB,
         micro_batch=micro,
         grad_accum=None if micro is None else rows_per_gpu // micro,
-        peak_gib=None if micro is None else MARGIN * (state + micro * row) / GIB,
+        peak_gib=None if micro is None else MARGIN * (state + gathered + micro * row) / GIB,
         holdout_error=acts.holdout_error,
     )
 
@@ -225,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.preset} ({cfg.model.variant}, {plan.params / 1e6:.1f}M parameters, "
         f"T={cfg.data.seq_len}, batch {cfg.train.batch_size} on {args.gpus} GPU(s) of "
         f"{args.gpu_mem_gb:g} GB{', FSDP' if fsdp else ''}):\n"
-        f"  model state {plan.state_gib:.2f} GiB per GPU; activations "
+        f"  model state {plan.state_gib:.2f} GiB per GPU"
+        f"{f' + {plan.gathered_gib:.2f} GiB gathered' if fsdp else ''}; activations "
         f"{plan.activations_gib_per_row:.2f} GiB per row "
         f"(check at T={lengths[2]}: {plan.holdout_error:+.1%})"
     )
