@@ -14,6 +14,8 @@
 #      HOPE's frozen-base reads compiled at the pilot_frozen shape,
 #   4. the projection of the pilot shape (hope.bench.projection: launches counted on
 #      this machine's CPU) beside its measured step (measured/eager = the error),
+#   5. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
+#      one process (tests/dist_variants_worker.py on CUDA),
 # and writes every log and report under OUT_DIR (summary.txt first). A failing part
 # is recorded and the next one still runs; the exit code is that of the first
 # failing part.
@@ -77,6 +79,25 @@ if python -c 'import fla' 2>/dev/null; then
   part fla_parity 180 python -m pytest -q -p no:cacheprovider -rs tests/test_memory_fla.py
 else
   note "fla_parity: skipped (flash-linear-attention is not installed here)"
+fi
+
+# DDP and FSDP2 over NCCL (every variant, float64, 2 ranks == 1 process to 1e-10, the
+# FSDP units one per block): needs two GPUs; one GPU cannot hold two NCCL ranks.
+gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+  part dist_nccl 300 env HOPE_DIST_DEVICE=cuda OMP_NUM_THREADS=1 PYTHONPATH="$PWD/tests:$PYTHONPATH" \
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_variants_worker.py \
+    "$out/dist_nccl.json"
+  part dist_nccl_check 30 python - "$out/dist_nccl.json" <<'PY'
+import json, sys
+report = json.loads(open(sys.argv[1]).read())
+worst = {run: max(row["loss"], row["params"]) for run, row in report.items()}
+for run, diff in worst.items():
+    print(f"{run:28s} max difference from one process {diff:.2e}")
+sys.exit(0 if max(worst.values()) <= 1e-10 else 1)
+PY
+else
+  note "dist_nccl: skipped (DDP/FSDP2 over NCCL needs 2 GPUs; $gpus visible)"
 fi
 
 bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.json

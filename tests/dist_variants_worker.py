@@ -1,4 +1,5 @@
-"""Worker of tests/test_distributed_variants.py, run under torchrun with 2 gloo ranks.
+"""Worker of tests/test_distributed_variants.py, run under torchrun with 2 gloo ranks
+(``HOPE_DIST_DEVICE=cuda``: 2 GPUs over NCCL, as scripts/gpu_check.sh runs it).
 
 For every variant and both parallel modes: 3 float64 training steps, each rank on its
 half of the batch, then the whole parameters gathered; rank 0 trains the same model
@@ -9,6 +10,7 @@ Under FSDP it also records the FSDP units and the most blocks ever holding whole
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -30,6 +32,11 @@ OVERRIDES = ["model.dim=16", "model.n_layers=2", "model.n_heads=2", "tokenizer.v
              "model.titans_chunk=4", "model.titans_window=8", "data.seq_len=16",
              "train.batch_size=4", "optim.warmup_steps=1", "optim.lr=0.01"]  # fmt: skip
 STEPS = 3
+DEVICE = (
+    torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if os.environ.get("HOPE_DIST_DEVICE") == "cuda"
+    else torch.device("cpu")
+)
 
 
 def batches(cfg: hope.Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -67,14 +74,15 @@ def train(
     cfg: hope.Config, env: d.DistEnv, parallel: str
 ) -> tuple[dict, list[float], dict[str, int]]:
     torch.manual_seed(0)
-    model = hope.build_model(cfg.model).double()
-    wrapped = d.wrap(model, env, torch.device("cpu"), parallel)
+    model = hope.build_model(cfg.model).double().to(DEVICE)
+    wrapped = d.wrap(model, env, DEVICE, parallel)
     peak = gathered_probe(model)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, STEPS)
     rows = env.rows(cfg.train.batch_size)
     losses = []
     for x, y in batches(cfg):
+        x, y = x.to(DEVICE), y.to(DEVICE)
         loss = train_step(model, optimizer, scheduler, x[rows], y[rows], 1.0, None, ddp=wrapped)
         losses.append(float(d.all_reduce_sum(loss.detach().clone(), env)) / env.world_size)
     shape = {**units(model), "peak_gathered_blocks": peak[0]}
@@ -83,8 +91,11 @@ def train(
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    env = d.DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_rank())
+    rank = int(os.environ["RANK"])
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
+    env = d.DistEnv(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
     # Every variant under both modes; hope and titans_mac also with checkpointed blocks
     # under FSDP (the backward's rerun of a block gathers its shard again).
     runs = [(v, p, "") for v in VARIANTS for p in ("ddp", "fsdp")]
