@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import hope
+from hope.memory.residual_mlp import MemoryInit
 from hope.model.zoo import VARIANTS
 from hope.optim.outer import build_optimizer
 from hope.train import distributed as d
@@ -90,6 +91,61 @@ def train(
     return params, losses, shape
 
 
+def dtype_probe(model: nn.Module, inits: list[nn.Module], seen: dict[str, set[str]]) -> None:
+    """Before every block submodule's forward: the dtypes of its own gathered parameters
+    (``seen["gathered"]``) and of the gathered memory inits' (``seen["inits"]``)."""
+
+    def probe(module: nn.Module, _: object) -> None:
+        own = module.parameters(recurse=False)
+        seen["gathered"].update(str(p.dtype) for p in own if not isinstance(p, DTensor))
+        for init in inits:
+            seen["inits"].update(
+                str(p.dtype) for p in init.parameters() if not isinstance(p, DTensor)
+            )
+
+    for block in model.blocks:  # type: ignore[attr-defined]
+        for sub in block.modules():
+            if not any(sub is i or any(sub is m for m in i.modules()) for i in inits):
+                sub.register_forward_pre_hook(probe)
+
+
+def bf16_blocks(env: d.DistEnv) -> dict[str, dict]:
+    """train.fsdp_param_dtype=bf16 against fp32 parameters, both under bf16 autocast on
+    FSDP2: the losses, and the dtypes of what is gathered (blocks, memory inits) and of
+    the sharded parameters and gradients the optimizer sees."""
+    report = {}
+    for variant in ("transformer", "hope_attention", "hope", "titans_mac"):
+        cfg = hope.load_config(None, [*OVERRIDES, f"model.variant={variant}"])
+        runs = {}
+        for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+            torch.manual_seed(0)
+            model = hope.build_model(cfg.model).to(DEVICE)
+            wrapped = d.wrap(model, env, DEVICE, "fsdp", dtype)
+            seen: dict[str, set[str]] = {"gathered": set(), "inits": set()}
+            inits = [m for m in model.modules() if isinstance(m, MemoryInit)]
+            dtype_probe(model, inits, seen)
+            optimizer = build_optimizer(model, cfg.optim)
+            scheduler = build_scheduler(optimizer, cfg.optim, STEPS)
+            rows, losses = env.rows(cfg.train.batch_size), []
+            for x, y in batches(cfg):
+                x, y = x.to(DEVICE), y.to(DEVICE)
+                loss = train_step(
+                    model, optimizer, scheduler, x[rows], y[rows], 1.0, torch.bfloat16,
+                    ddp=wrapped,
+                )  # fmt: skip
+                losses.append(float(d.all_reduce_sum(loss.detach().clone(), env)) / 2)
+            runs[name] = {
+                "losses": losses,
+                **{key: sorted(dtypes) for key, dtypes in seen.items()},
+                "sharded": sorted({str(p.dtype) for p in model.parameters()}),
+                "grads": sorted(
+                    {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
+                ),
+            }
+        report[variant] = runs
+    return report
+
+
 def main() -> None:
     rank = int(os.environ["RANK"])
     if DEVICE.type == "cuda":
@@ -98,6 +154,13 @@ def main() -> None:
     env = d.DistEnv(rank, dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
     # Every variant under both modes; hope and titans_mac also with checkpointed blocks
     # under FSDP (the backward's rerun of a block gathers its shard again).
+    if sys.argv[2:] == ["bf16"]:
+        report = bf16_blocks(env)
+        if env.is_main:
+            with open(sys.argv[1], "w") as handle:
+                json.dump(report, handle)
+        dist.destroy_process_group()
+        return
     runs = [(v, p, "") for v in VARIANTS for p in ("ddp", "fsdp")]
     runs += [(v, "fsdp", "+ckpt") for v in ("hope", "titans_mac")]
     runs += [("hope", "fsdp", "+exact_online")]

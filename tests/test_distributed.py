@@ -104,6 +104,21 @@ def test_what_fsdp_cannot_keep_is_refused_naming_the_knob(knobs: list[str]) -> N
     hope.load_config(None, ["train.parallel=ddp", *knobs])  # DDP keeps it
 
 
+@pytest.mark.parametrize(
+    "knobs, named",
+    [
+        (["train.parallel=ddp", "train.precision=bf16"], "train.parallel=fsdp (got ddp)"),
+        (["train.parallel=fsdp", "train.precision=fp32"], "train.precision=bf16 (got fp32;"),
+    ],
+)
+def test_bf16_blocks_need_fsdp_and_bf16_autocast(knobs: list[str], named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        hope.load_config(None, ["train.fsdp_param_dtype=bf16", *knobs])
+    hope.load_config(
+        None, ["train.fsdp_param_dtype=bf16", "train.parallel=fsdp", "train.precision=bf16"]
+    )
+
+
 def test_the_stage_relaunches_itself_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = hope.load_config(None, ["train.nproc_per_node=2"])

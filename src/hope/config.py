@@ -259,6 +259,13 @@ def _validate(cfg: Config) -> None:
             f"{cfg.optim.name} (use train.checkpoint_format=full)",
         ),
         (
+            cfg.train.fsdp_param_dtype == "fp32"
+            or (cfg.train.parallel == "fsdp" and cfg.train.precision == "bf16"),
+            "train.fsdp_param_dtype=bf16 gathers FSDP2 blocks in bf16: it needs "
+            f"train.parallel=fsdp (got {cfg.train.parallel}) and train.precision=bf16 "
+            f"(got {cfg.train.precision}; autocast meets the bf16 weights)",
+        ),
+        (
             cfg.train.parallel == "ddp" or cfg.train.nan_policy != "skip",
             "train.nan_policy=skip restores unsharded optimizer state; with "
             "train.parallel=fsdp use nan_policy stop or rewind",

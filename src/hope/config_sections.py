@@ -81,6 +81,12 @@ class TrainConfig:
     # ddp: every rank holds the whole model state; fsdp: FSDP2 (fully_shard) shards
     # parameters, gradients and AdamW state over the ranks (hope.train.distributed).
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    # Under fsdp: the dtype the blocks' parameters are gathered and computed in
+    # (FSDP2's MixedPrecisionPolicy; gradients are reduced and stored in fp32). bf16
+    # halves the all-gathers and the gathered bytes and needs train.precision=bf16
+    # (autocast meets the bf16 weights); the memories' initial weights and the root
+    # stay fp32, so the fast states start and evolve at full precision.
+    fsdp_param_dtype: Literal["fp32", "bf16"] = "fp32"
     seed: int = 0
     # The numerics of a run (train and eval; hope.train.device.configure_numerics).
     # Every one of them changes the numbers, so none is left to the machine:

@@ -200,7 +200,10 @@ class SelfModifyingTitans(nn.Module):
             # targets' inputs on the unit sphere.
             v = F.normalize(raw["v"], dim=-1)
             eta = self.cfg.eta_scale * F.softplus(raw["eta"].squeeze(-1))
-            alpha = torch.sigmoid(raw["alpha"].squeeze(-1) + self.alpha_bias[:, None])
+            # The decay in the fast state's dtype whatever the parameters' (FSDP may
+            # gather the block in bf16): log(alpha) and the C x C solve need it.
+            work = next(iter(stacks.values())).w1.dtype
+            alpha = torch.sigmoid(raw["alpha"].squeeze(-1).to(work) + self.alpha_bias[:, None])
         query = raw["q"] if self.w_q is None else xc @ self.w_q
         return Generated(k, v, F.normalize(query, dim=-1), eta, alpha)
 

@@ -35,7 +35,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from hope.config import Config
@@ -127,24 +132,37 @@ Wrapped = DistributedDataParallel | FSDPModule
 
 
 def wrap(
-    model: nn.Module, env: DistEnv, device: torch.device, parallel: str = "ddp"
+    model: nn.Module,
+    env: DistEnv,
+    device: torch.device,
+    parallel: str = "ddp",
+    block_dtype: torch.dtype | None = None,
 ) -> Wrapped | None:
     """DDP or FSDP2 over ``TrainingLoss(model)``, or None for a single process. Build the
-    optimizer after this: FSDP2 replaces the parameters by sharded DTensors."""
+    optimizer after this: FSDP2 replaces the parameters by sharded DTensors.
+    ``block_dtype`` (FSDP2 only; ``train.fsdp_param_dtype``): the blocks' parameters are
+    gathered and computed in it, their gradients reduced in fp32."""
     if not env.enabled:
         return None
     if parallel == "fsdp":
         # One FSDP unit per block and per memory init (the model's ``shard_units``),
-        # the rest in the root's. No MixedPrecisionPolicy: parameters stay in their
-        # dtype (fp32; fp64 in tests) and gradients are reduced in it; bf16 compute is
+        # the rest in the root's. Parameters stay in their dtype (fp32; fp64 in tests)
+        # unless ``block_dtype`` gathers the blocks' in bf16; bf16 compute is
         # autocast's, as on one device.
         # FSDP2 warns when a unit returns views (a fresh state's W0.expand, state
         # slices): an in-place op on one would skip its pre-backward hook. The states
         # are never edited in place; tests/test_distributed_variants.py checks every
         # variant against one process to 1e-10.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+        # Inputs are not cast: a block's inputs include its fast state (fp32).
+        blocks_policy = MixedPrecisionPolicy(
+            param_dtype=block_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         for unit in cast(Any, model).shard_units():
-            fully_shard(unit.module, reshard_after_forward=unit.free_after_forward)
+            policy = blocks_policy if unit.free_after_forward else MixedPrecisionPolicy()
+            fully_shard(
+                unit.module, reshard_after_forward=unit.free_after_forward, mp_policy=policy
+            )
             for method in unit.methods:
                 register_fsdp_forward_method(unit.module, method)
         root = TrainingLoss(model)

@@ -56,7 +56,8 @@ class Trainer:
         setup_runtime(cfg.train, self.device)
         self.amp_dtype = autocast_dtype(self.device, cfg.train.precision)
         self.model = build_model(cfg.model).to(self.device)
-        self.ddp = dist_env.wrap(self.model, self.env, self.device, cfg.train.parallel)
+        block_dtype = torch.bfloat16 if cfg.train.fsdp_param_dtype == "bf16" else None
+        self.ddp = dist_env.wrap(self.model, self.env, self.device, cfg.train.parallel, block_dtype)
         self.by_name = cfg.train.parallel == "fsdp"  # checkpoint layout (state_dicts)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
