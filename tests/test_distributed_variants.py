@@ -64,8 +64,7 @@ def test_fsdp_bf16_blocks_gather_bf16_and_keep_fp32_inits_weights_and_gradients(
     blocks are gathered in bf16, the memory inits in fp32, the optimizer's sharded
     weights and gradients stay fp32, and the losses stay close. Measured (3 steps, the
     worker's tiny model): relative loss differences ≤ 1.2e-5 (transformer), 1e-4
-    (titans_mac), 9e-4 (hope_attention), 8.5e-3 (hope: its small per-chunk parameters'
-    gradients accumulate over chunks in bf16)."""
+    (titans_mac), 9e-4 (hope_attention), 8.5e-3 (hope; docs/SCALING.md)."""
     out = tmp_path / "bf16.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
     env.pop("WORLD_SIZE", None)
