@@ -46,6 +46,27 @@ def test_launch_fit_predicts_a_direct_count_at_another_depth_and_length(
         assert fit.layer_per_token == 0 and fit.base_per_token == 0
 
 
+def test_counts_are_made_once_per_narrow_model_context_forms_and_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Presets whose narrow counting models coincide (mid and target: same chunking and
+    heads, other widths) share a count; another dim of the same preset, another read
+    form or another memory backend is counted anew."""
+    made: list[int] = []
+    monkeypatch.setattr(p, "_COUNTS", {})
+    monkeypatch.setattr(p, "_count", lambda narrow, length, forms: made.append(length) or 7)
+    cfg = ModelConfig(variant="hope", **SMALL_CHUNKS)  # type: ignore[arg-type]
+    wider = dataclasses.replace(cfg, dim=4 * cfg.dim)  # narrowed to the same counting model
+    forms = ["dual", "materialized"]
+    assert p.count_step_launches(cfg, 16, 1, forms) == 7
+    assert p.count_step_launches(wider, 16, 1, forms) == 7 and made == [16]
+    p.count_step_launches(cfg, 16, 1, ["dual", "dual"])
+    p.count_step_launches(cfg, 16, 2, forms)
+    monkeypatch.setattr("hope.memory.ops.dispatch._default_backend", "compile")
+    p.count_step_launches(cfg, 16, 1, forms)
+    assert made == [16, 16, 16, 16]
+
+
 def test_read_forms_are_the_ones_the_preset_widths_choose() -> None:
     """n_fire·C² <= h·d at the preset's context: pilot reads every level in the dual
     form; mid's 1024-token level (h = d = 1536) is materialised; target's sits on the

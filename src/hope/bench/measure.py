@@ -95,6 +95,7 @@ NO_KERNEL = frozenset(
 )
 
 
+@functools.cache  # an op's answer never changes; counting asks per dispatched op
 def launches_kernel(func: torch._ops.OpOverload) -> bool:
     """Whether dispatching ``func`` runs a backend kernel (not a view or metadata op;
     ``prim::`` ops such as ``prim.device`` only describe tensors, and an op that returns
