@@ -16,9 +16,10 @@ and AdamW state are sharded over the ranks at rest; each block is an FSDP unit (
 memory's initial weights, kept gathered through the step: a fresh state holds views of
 them), the model's ``shard_units``; HOPE's teach pass A gathers every block at once
 (``LanguageModel.blocks_gathered``: its gradient is taken inside the forward;
-docs/SCALING.md). bf16 comes from autocast as on one device (no FSDP parameter cast:
-the fast-state arithmetic keeps its precision); gradients are reduced in the
-parameters' dtype (fp32). Checkpoints are gathered to the same single file as ever
+docs/SCALING.md). bf16 comes from autocast as on one device, the parameters gathered
+in their dtype and gradients reduced in it (fp32), unless ``train.fsdp_param_dtype=bf16``
+gathers the blocks in bf16 (gradients still reduced in fp32; the memory inits and the
+root stay fp32). Checkpoints are gathered to the same single file as ever
 (``full_state_dict``), so a run resumes on any world size and the release reads it
 unchanged; the optimizer state is stored by parameter name (``state_dicts``).
 """
@@ -156,7 +157,9 @@ def wrap(
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
         # Inputs are not cast: a block's inputs include its fast state (fp32).
         blocks_policy = MixedPrecisionPolicy(
-            param_dtype=block_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            param_dtype=block_dtype,
+            reduce_dtype=None if block_dtype is None else torch.float32,
+            cast_forward_inputs=False,
         )
         for unit in cast(Any, model).shard_units():
             policy = blocks_policy if unit.free_after_forward else MixedPrecisionPolicy()
