@@ -14,11 +14,11 @@ same count gives what each block keeps (its inputs); backward then reruns one bl
 at a time, so one block's whole activations (fitted the same way with checkpointing
 off) are added once. A third, longer length is predicted before it is measured: that
 error is the plan's error bar. Model state per GPU: fp32 weights, gradients and
-AdamW's two moments, 16 bytes per parameter (divided over the GPUs under FSDP); under
-FSDP plus what is gathered whole at once (``gathered_bytes``: fp32 weights and their
-unsharded gradients). Peak = state + micro-batch x activations
-per row, times a 1.2 margin for the backward's transient gradients and allocator
-fragmentation (an assumption, stated, until a GPU measures it: scripts/gpu_check.sh).
+AdamW's two moments, 16 bytes per parameter (divided over the GPUs under FSDP, plus
+what FSDP holds whole at once: ``gathered_bytes``). Peak = state + micro-batch x
+activations per row, times a 1.2 margin for the backward's transient gradients and
+allocator fragmentation (an assumption, stated, until a GPU measures it:
+scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def gathered_bytes(model: LanguageModel) -> int:
 
 
 def make_plan(cfg: Config, acts: Activations, gpu_mem_gb: float, gpus: int, fsdp: bool) -> Plan:
-    model = build_model(cfg.model)
+    with torch.device("meta"):  # sizes only: nothing allocated at the preset's width
+        model = build_model(cfg.model)
     model_params = sum(p.numel() for p in model.parameters())
     state = STATE_BYTES_PER_PARAM * model_params / (gpus if fsdp else 1)
     gathered = gathered_bytes(model) if fsdp else 0
