@@ -99,8 +99,9 @@ class TrainConfig:
     # torch.use_deterministic_algorithms (+ cuDNN/cuBLAS determinism on CUDA).
     deterministic: bool = True
     # Memory-write backend (hope.memory.ops.dispatch): "compile" runs the memories'
-    # chunk steps through torch.compile (same values); "fla" needs CUDA + fla.
-    memory_backend: Literal["torch", "compile", "fla"] = "torch"
+    # chunk steps through torch.compile (same values); "fla" needs CUDA + fla; "fused"
+    # writes the SMT with one operator per chunk (Triton on CUDA; same values).
+    memory_backend: Literal["torch", "compile", "fla", "fused"] = "torch"
     checkpoint_every: int = 100
     # "full": one step_*.pt with whole tensors (gathered on rank 0 under FSDP);
     # "sharded": a step_*/ directory where every rank writes its own shards through
@@ -335,7 +336,7 @@ class BenchConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (recorded in bench.json's machine)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     num_threads: int = 2  # torch intra-op threads while measuring (as train.num_threads)
-    memory_backend: Literal["torch", "compile", "fla"] = "torch"  # as train.memory_backend
+    memory_backend: Literal["torch", "compile", "fla", "fused"] = "torch"  # as train.memory_backend
     # Presets whose GPU step time is projected from counted launches and FLOPs
     # (hope.bench.projection); each variant costs four launch counts at its chunking:
     # seconds for pilot, up to a minute for hope at mid/target (CMS period 1024).

@@ -20,6 +20,12 @@ Backends:
   write; ``memory/titans_memory.py``: read, curvature and write), and the MAC block
   each segment's retrieval and attention (``model/titans.py``): 12-16% off a
   tiny-shape training step on a 2-core CPU (bench, ``bench.memory_backend=compile``).
+- ``"fused"``: the SMT's default write (preconditioned DGD, no momentum) as one
+  operator with a closed-form backward, ``hope::dgd_chunk`` (``dgd_fused.py``): one
+  Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
+  closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches). The
+  other writes run the ``"torch"`` closed form; on CUDA it needs Triton (shipped
+  with CUDA builds of torch), refused when the default is set otherwise.
 
 The default is set once per process from the ``train.memory_backend`` /
 ``bench.memory_backend`` knob (``train.device.setup_runtime`` calls
@@ -30,19 +36,20 @@ one call (the tests' naive oracles).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
+from importlib.util import find_spec
 from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
+from hope.memory.ops.dgd_fused import dgd_chunk
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
 from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, Residual, grad_factors
 
-Backend = Literal["torch", "naive", "fla", "compile"]
-BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile")
+Backend = Literal["torch", "naive", "fla", "compile", "fused"]
+BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile", "fused")
 _default_backend: Backend = "torch"
 
 
@@ -52,6 +59,8 @@ def set_default_backend(name: str, knob: str = "memory_backend") -> None:
     backend = resolve_backend(name)
     if backend == "fla" and (missing := fla_missing()) is not None:
         raise ValueError(f"{knob}=fla needs {missing}; use torch or compile")
+    if backend == "fused" and torch.cuda.is_available() and find_spec("triton") is None:
+        raise ValueError(f"{knob}=fused on CUDA needs Triton (pip install triton); use torch")
     _default_backend = backend
 
 
@@ -59,7 +68,7 @@ def fla_missing() -> str | None:
     """What the ``"fla"`` backend lacks on this machine, or None."""
     if not torch.cuda.is_available():
         return "a CUDA device (flash-linear-attention's kernels are Triton on CUDA)"
-    if importlib.util.find_spec("fla") is None:
+    if find_spec("fla") is None:
         return "flash-linear-attention (pip install flash-linear-attention)"
     return None
 
@@ -150,6 +159,9 @@ def dgd_write(
     if name == "fla" and (not precondition or momentum):
         name = "torch"  # no fla kernel for this rule: the same values by the closed form
     fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
+    if name == "fused" and precondition and not momentum:
+        out = dgd_chunk(fast.w1, fast.w2, k, fac.e, fac.a, fac.d, eta, alpha, fac.pre)
+        return fast.with_weights(*out)
     # For 'fla' the cheap decay-only W2 path runs here and is replaced below.
     w1, w2, m1, m2 = _chunk_fn(name, chunk_dgd_update)(
         fast.w1,
@@ -198,8 +210,8 @@ def momentum_write(
         g1, g2 = naive_inner_grads(fast.w1, fast.w2, k, target, objective, residual)
         out = naive_momentum_update(fast.w1, fast.w2, fast.m1, fast.m2, g1, g2, theta, eta, keep)
         return fast.with_weights(*out)
-    if name == "fla":
-        name = "torch"  # no fla kernel for the momentum write: the closed form
+    if name in ("fla", "fused"):
+        name = "torch"  # no kernel of its own for the momentum write: the closed form
     fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     chunked = _chunk_fn(name, chunk_momentum_update)(
         fast.w1, fast.w2, fast.m1, fast.m2, k, fac.e, fac.a, fac.d, theta, eta, keep, end_weights

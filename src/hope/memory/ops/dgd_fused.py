@@ -1,0 +1,194 @@
+"""The SMT's DGD chunk write as one operator with a closed-form backward (backend
+``fused``; NL-arXiv eq. 88, MECHANISMS §8.1).
+
+``chunk_dgd_update`` (``memory/ops/chunk.py``) differentiated by autograd launches
+about 37 kernels forward and 76 backward per chunk and memory group (the C x C decay
+ratios, the preconditioner's solve, the products, and autograd's node per op): at
+the pilot chunking that is 22 k of the 57 k launches of a HOPE layer-step. Here the
+write of the default rule (preconditioned, no momentum) is one ``torch.library``
+operator, ``hope::dgd_chunk``, whose backward is another, ``hope::dgd_chunk_backward``,
+written out below. On CUDA each is one Triton kernel (``dgd_triton.py``); on other
+devices each runs the same closed form in PyTorch ops (so a CPU counts the launches
+a GPU pays, and float64 tests compare every path). The forward keeps only its
+inputs for backward and recomputes the C x C terms there.
+
+Backward of W1' = gC W1 + (c1 ⊙ E)^T A, W2' = gC W2 + R^T Z, inc2 = U^T Z with
+U = -η ⊙ D, R = U - (η γ_prev) ⊙ S0k, Z = L^-T (γ_C/γ_s ⊙ K), L = I + η ⊙ (P ∘ K K^T),
+P_ts = γ_{t-1}/γ_s (s < t), c1 = -η γ_C/γ_s, γ_t = prod_{s<=t} α_s
+(shapes and names as in ``chunk_dgd_update``): with G_i the output gradients,
+  dZ = R G_w2 + U G_inc2,  Y = L^-1 dZ,  dL = -Z Y^T (strictly lower),
+  dU = Z (G_w2 + G_inc2)^T,  dS0k = -(η γ_prev) ⊙ Z G_w2^T,
+and the decays' gradients gathered in log γ and returned through the cumulative sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hope.memory.ops.chunk import chunk_dgd_update
+
+_Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _rowdot(x: Tensor, y: Tensor) -> Tensor:
+    """sum over the last axis of x ⊙ y."""
+    return (x * y).sum(-1)
+
+
+def dgd_chunk_backward_reference(
+    inputs: tuple[Tensor, ...],
+    g_w1: Tensor,
+    g_w2: Tensor,
+    g_inc1: Tensor | None,
+    g_inc2: Tensor | None,
+) -> _Grads:
+    """Gradients of (W1', W2', inc1, inc2) = ``dgd_chunk`` with respect to its inputs
+    (w1, w2, k, e, a, d, eta, alpha, w2k), in PyTorch ops (module docstring). A None
+    increment gradient is zero (the increments feed only a momentum, absent here)."""
+    w1, w2, k, e, a, d, eta, alpha, w2k = inputs
+    n = k.shape[-2]
+    log_keep = torch.log(alpha)
+    cum = torch.cumsum(log_keep, dim=-1)  # log γ_t
+    prev = cum - log_keep  # log γ_{t-1}
+    end = cum[..., -1:]
+    strict = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)
+    ratio = torch.exp((prev.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~strict, -torch.inf))
+    gamma_prev, end_over_s, gamma_end = torch.exp(prev), torch.exp(end - cum), torch.exp(end)
+    gram = k @ k.transpose(-1, -2)
+    coupling = ratio * gram  # P ∘ K K^T
+    eye = torch.eye(n, dtype=k.dtype, device=k.device)
+    lower = torch.addcmul(eye, eta.unsqueeze(-1), coupling)
+    inverse = torch.linalg.solve_triangular(
+        lower, eye.expand_as(lower), upper=False, unitriangular=True
+    )
+    keys = inverse.transpose(-1, -2) @ (end_over_s.unsqueeze(-1) * k)
+    u = -eta.unsqueeze(-1) * d
+    hom_coef = -eta * gamma_prev
+    rhs = torch.addcmul(u, hom_coef.unsqueeze(-1), w2k)  # R = U + hom
+    c1 = -eta * end_over_s
+    # Outputs' gains: W1' and W2' scale the chunk-start weights by γ_C.
+    d_gamma_end = (g_w1 * w1).sum((-2, -1)) + (g_w2 * w2).sum((-2, -1))
+    gain = gamma_end.unsqueeze(-1)
+    d_w1, d_w2 = gain * g_w1, gain * g_w2
+    # inc1 = (c1 ⊙ E)^T A
+    g1 = g_w1 if g_inc1 is None else g_w1 + g_inc1
+    a_g = a @ g1.transpose(-1, -2)  # [C, O]
+    d_e = c1.unsqueeze(-1) * a_g
+    d_a = c1.unsqueeze(-1) * (e @ g1)
+    d_c1 = _rowdot(e, a_g)
+    # W2' - γ_C W2 = R^T Z and inc2 = U^T Z
+    d_rhs = keys @ g_w2.transpose(-1, -2)  # [C, M]
+    d_u, d_keys = d_rhs, rhs @ g_w2  # [C, M], [C, I]
+    if g_inc2 is not None:
+        d_u = d_u + keys @ g_inc2.transpose(-1, -2)
+        d_keys = d_keys + u @ g_inc2
+    d_d = -eta.unsqueeze(-1) * d_u
+    d_w2k = hom_coef.unsqueeze(-1) * d_rhs
+    d_hom_coef = _rowdot(w2k, d_rhs)
+    # Z = L^-T (γ_C/γ_s ⊙ K)
+    y = inverse @ d_keys
+    d_lower = -(keys @ y.transpose(-1, -2)).masked_fill(~strict, 0.0)
+    d_k = end_over_s.unsqueeze(-1) * y
+    d_end_over_s = _rowdot(k, y) - eta * d_c1
+    d_eta = -_rowdot(d, d_u) - gamma_prev * d_hom_coef - end_over_s * d_c1
+    d_eta = d_eta + _rowdot(d_lower, coupling)
+    d_coupling = eta.unsqueeze(-1) * d_lower
+    d_gram = d_coupling * ratio
+    d_k = d_k + (d_gram + d_gram.transpose(-1, -2)) @ k
+    # Decays, in log γ: P_ts = exp(prev_t - cum_s), γ_prev, γ_C/γ_s, γ_C.
+    q = d_coupling * gram * ratio
+    d_prev = q.sum(-1) - eta * d_hom_coef * gamma_prev
+    scaled_end = d_end_over_s * end_over_s
+    d_cum = -q.sum(-2) - scaled_end
+    d_end = scaled_end.sum(-1, keepdim=True) + d_gamma_end.unsqueeze(-1) * gamma_end
+    total = d_cum + d_prev
+    # cum = cumsum(log α), γ_C = exp(cum_C): d log α_j = sum_{t>=j} total_t + d_end.
+    suffix = total - torch.cumsum(total, dim=-1) + total.sum(-1, keepdim=True)
+    d_alpha = (suffix - d_prev + d_end) / alpha
+    return d_w1, d_w2, d_k, d_e, d_a, d_d, d_eta, d_alpha, d_w2k
+
+
+def _uses_triton(t: Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+@torch.library.custom_op("hope::dgd_chunk", mutates_args=())
+def dgd_chunk(
+    w1: Tensor,
+    w2: Tensor,
+    k: Tensor,
+    e: Tensor,
+    a: Tensor,
+    d: Tensor,
+    eta: Tensor,
+    alpha: Tensor,
+    w2k: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(W1', W2', inc1, inc2) of one preconditioned DGD chunk without momentum: the
+    values of ``chunk_dgd_update(..., precondition=True, momentum=0, w2k=w2k)`` (its
+    m1, m2 are the increments)."""
+    if _uses_triton(k):
+        from hope.memory.ops.dgd_triton import dgd_chunk_triton
+
+        return dgd_chunk_triton(w1, w2, k, e, a, d, eta, alpha, w2k)
+    # Momentum 0 never reads m1, m2: the weights stand in for them.
+    out = chunk_dgd_update(w1, w2, w1, w2, k, e, a, d, eta, alpha, True, 0.0, w2k)
+    return out[0], out[1], out[2], out[3]
+
+
+@dgd_chunk.register_fake
+def _(w1: Tensor, w2: Tensor, *rest: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return (torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w1), torch.empty_like(w2))
+
+
+@torch.library.custom_op("hope::dgd_chunk_backward", mutates_args=())
+def dgd_chunk_backward(
+    w1: Tensor,
+    w2: Tensor,
+    k: Tensor,
+    e: Tensor,
+    a: Tensor,
+    d: Tensor,
+    eta: Tensor,
+    alpha: Tensor,
+    w2k: Tensor,
+    g_w1: Tensor,
+    g_w2: Tensor,
+    g_inc1: Tensor | None,
+    g_inc2: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of ``dgd_chunk``'s inputs (``dgd_chunk_backward_reference``)."""
+    inputs = (w1, w2, k, e, a, d, eta, alpha, w2k)
+    if _uses_triton(k):
+        from hope.memory.ops.dgd_triton import dgd_chunk_backward_triton
+
+        return dgd_chunk_backward_triton(inputs, g_w1, g_w2, g_inc1, g_inc2)  # type: ignore[return-value]
+    return dgd_chunk_backward_reference(inputs, g_w1, g_w2, g_inc1, g_inc2)
+
+
+@dgd_chunk_backward.register_fake
+def _(w1: Tensor, w2: Tensor, k: Tensor, e: Tensor, a: Tensor, d: Tensor, eta: Tensor,
+      alpha: Tensor, w2k: Tensor, *grads: Tensor) -> _Grads:  # fmt: skip
+    return tuple(torch.empty_like(t) for t in (w1, w2, k, e, a, d, eta, alpha, w2k))  # type: ignore[return-value]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Tensor, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+    # Unused outputs (the increments, without momentum) get None, not zero tensors.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, *grads: Tensor | None) -> _Grads:
+    inputs = ctx.saved_tensors
+    g_w1, g_w2, g_inc1, g_inc2 = grads
+    # The weights' gradients are always defined in a step (the state is read later);
+    # zeros stand in where a caller differentiates only the increments.
+    g_w1 = torch.zeros_like(inputs[0]) if g_w1 is None else g_w1
+    g_w2 = torch.zeros_like(inputs[1]) if g_w2 is None else g_w2
+    return dgd_chunk_backward(*inputs, g_w1, g_w2, g_inc1, g_inc2)  # type: ignore[no-any-return]
+
+
+dgd_chunk.register_autograd(_backward, setup_context=_setup_context)

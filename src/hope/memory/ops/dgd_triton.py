@@ -1,0 +1,236 @@
+"""Triton kernels of ``hope::dgd_chunk`` and its backward (``memory/ops/dgd_fused.py``):
+one program per (sample, stacked head), the whole chunk in it.
+
+Per program: the decays γ, the C x C preconditioner L = I + η ⊙ (P ∘ K K^T) and its
+inverse, the keys Z = L^-T (γ_C/γ_s ⊙ K) (C x I, kept in registers), then the h_m
+rows of W1 and W2 in blocks of ``BLOCK_M``. L is unit lower triangular with
+N = L - I nilpotent, so L^-1 = (I - N)(I + N^2)(I + N^4)···(I + N^(CP/2)): log2(CP) - 1
+squarings and products of C x C tiles, no triangular solve. Every dimension is padded
+to a power of two >= 16 (``tl.dot``'s smallest tile); padded tokens have η = 0, α = 1
+and zero keys and factors, so they write and receive nothing. fp32 products use IEEE
+precision (no TF32): the fused write must match the closed form it replaces.
+
+The backward recomputes the C x C terms and Z from the inputs (the operator saves
+nothing else), accumulates dZ, dE and the decay sums over the h_m blocks, then
+takes the C x C part (``dgd_chunk_backward_reference`` written per program).
+
+Tested on a CPU with ``TRITON_INTERPRET=1`` against the PyTorch forms
+(tests/test_dgd_fused.py); scripts/gpu_check.sh runs the same parity on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _tile(ptr, rows, cols, n_rows, n_cols, stride):
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _put(ptr, value, rows, cols, n_rows, n_cols, stride):
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], value, mask=mask)
+
+
+@triton.jit
+def _chunk_terms(k_ptr, eta_ptr, alpha_ptr, C, I, CP: tl.constexpr, IP: tl.constexpr,
+                 SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    t = tl.arange(0, CP)
+    i = tl.arange(0, IP)
+    live = t < C
+    eta = tl.load(eta_ptr + t, mask=live, other=0.0)
+    alpha = tl.load(alpha_ptr + t, mask=live, other=1.0)
+    log_keep = tl.log(alpha)
+    cum = tl.cumsum(log_keep, 0)  # log γ_t
+    prev = cum - log_keep  # log γ_{t-1}
+    end = tl.sum(log_keep, 0)  # log γ_C (padded tokens add 0)
+    strict = t[:, None] > t[None, :]
+    ratio = tl.where(strict, tl.exp(tl.where(strict, prev[:, None] - cum[None, :], 0.0)), 0.0)
+    k = _tile(k_ptr, t, i, C, I, I)
+    gram = tl.dot(k, tl.trans(k), input_precision=DOT)
+    coupling = ratio * gram
+    nil = eta[:, None] * coupling
+    eye = (t[:, None] == t[None, :]).to(k.dtype)
+    inverse = eye - nil
+    power = nil
+    for _ in tl.static_range(SQUARINGS):
+        power = tl.dot(power, power, input_precision=DOT)
+        inverse = tl.dot(inverse, eye + power, input_precision=DOT)
+    end_over_s = tl.exp(end - cum)
+    keys = tl.dot(tl.trans(inverse), end_over_s[:, None] * k, input_precision=DOT)
+    return (t, i, live, eta, alpha, strict, ratio, gram, coupling, inverse, k, keys,
+            tl.exp(prev), end_over_s, tl.exp(end))  # fmt: skip
+
+
+@triton.jit
+def _dgd_chunk_fwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_ptr, w2k_ptr,
+                   w1_out, w2_out, inc1_out, inc2_out, C, I, O, M,
+                   CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    k_ptr += bh * C * I
+    e_ptr += bh * C * O
+    a_ptr += bh * C * M
+    d_ptr += bh * C * M
+    w2k_ptr += bh * C * M
+    w1_off = bh * O * M
+    w2_off = bh * M * I
+    terms = _chunk_terms(k_ptr, eta_ptr + bh * C, alpha_ptr + bh * C, C, I, CP, IP, SQUARINGS, DOT)
+    t, i, eta, keys = terms[0], terms[1], terms[3], terms[11]
+    gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
+    o = tl.arange(0, OP)
+    scaled_e = (-eta * end_over_s)[:, None] * _tile(e_ptr, t, o, C, O, O)  # c1 ⊙ E
+    hom_coef = -eta * gamma_prev
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        u = -eta[:, None] * _tile(d_ptr, t, m, C, M, M)
+        rhs = u + hom_coef[:, None] * _tile(w2k_ptr, t, m, C, M, M)
+        inc2 = tl.dot(tl.trans(u), keys, input_precision=DOT)
+        change2 = tl.dot(tl.trans(rhs), keys, input_precision=DOT)
+        w2 = _tile(w2_ptr + w2_off, m, i, M, I, I)
+        _put(w2_out + w2_off, change2 + gamma_end * w2, m, i, M, I, I)
+        _put(inc2_out + w2_off, inc2, m, i, M, I, I)
+        inc1 = tl.dot(tl.trans(scaled_e), _tile(a_ptr, t, m, C, M, M), input_precision=DOT)
+        w1 = _tile(w1_ptr + w1_off, o, m, O, M, M)
+        _put(w1_out + w1_off, inc1 + gamma_end * w1, o, m, O, M, M)
+        _put(inc1_out + w1_off, inc1, o, m, O, M, M)
+
+
+@triton.jit
+def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_ptr, w2k_ptr,
+                   gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr,
+                   dw1_ptr, dw2_ptr, dk_ptr, de_ptr, da_ptr, dd_ptr, deta_ptr, dalpha_ptr,
+                   dw2k_ptr, C, I, O, M,
+                   HAS_GI1: tl.constexpr, HAS_GI2: tl.constexpr,
+                   CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    cm_off = bh * C * M
+    w1_off = bh * O * M
+    w2_off = bh * M * I
+    terms = _chunk_terms(k_ptr + bh * C * I, eta_ptr + bh * C, alpha_ptr + bh * C, C, I,
+                         CP, IP, SQUARINGS, DOT)  # fmt: skip
+    t, i, live, eta, alpha, strict = terms[0], terms[1], terms[2], terms[3], terms[4], terms[5]
+    ratio, gram, coupling, inverse, k, keys = (terms[6], terms[7], terms[8], terms[9],
+                                               terms[10], terms[11])  # fmt: skip
+    gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
+    o = tl.arange(0, OP)
+    e = _tile(e_ptr + bh * C * O, t, o, C, O, O)
+    c1 = -eta * end_over_s
+    hom_coef = -eta * gamma_prev
+    a_g = tl.zeros([CP, OP], dtype=k.dtype)
+    d_keys = tl.zeros([CP, IP], dtype=k.dtype)
+    d_hom = tl.zeros([CP], dtype=k.dtype)
+    d_eta = tl.zeros([CP], dtype=k.dtype)
+    d_gain = tl.zeros([BLOCK_M], dtype=k.dtype)
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        d = _tile(d_ptr + cm_off, t, m, C, M, M)
+        w2k = _tile(w2k_ptr + cm_off, t, m, C, M, M)
+        u = -eta[:, None] * d
+        rhs = u + hom_coef[:, None] * w2k
+        gw1 = _tile(gw1_ptr + w1_off, o, m, O, M, M)
+        gw2 = _tile(gw2_ptr + w2_off, m, i, M, I, I)
+        w1 = _tile(w1_ptr + w1_off, o, m, O, M, M)
+        w2 = _tile(w2_ptr + w2_off, m, i, M, I, I)
+        d_gain += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
+        _put(dw1_ptr + w1_off, gamma_end * gw1, o, m, O, M, M)
+        _put(dw2_ptr + w2_off, gamma_end * gw2, m, i, M, I, I)
+        g1 = gw1
+        if HAS_GI1:
+            g1 += _tile(gi1_ptr + w1_off, o, m, O, M, M)
+        a_g += tl.dot(_tile(a_ptr + cm_off, t, m, C, M, M), tl.trans(g1), input_precision=DOT)
+        d_a = c1[:, None] * tl.dot(e, g1, input_precision=DOT)
+        _put(da_ptr + cm_off, d_a, t, m, C, M, M)
+        d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
+        d_u = d_rhs
+        d_keys += tl.dot(rhs, gw2, input_precision=DOT)
+        if HAS_GI2:
+            gi2 = _tile(gi2_ptr + w2_off, m, i, M, I, I)
+            d_u += tl.dot(keys, tl.trans(gi2), input_precision=DOT)
+            d_keys += tl.dot(u, gi2, input_precision=DOT)
+        _put(dd_ptr + cm_off, -eta[:, None] * d_u, t, m, C, M, M)
+        _put(dw2k_ptr + cm_off, hom_coef[:, None] * d_rhs, t, m, C, M, M)
+        d_hom += tl.sum(w2k * d_rhs, 1)
+        d_eta -= tl.sum(d * d_u, 1)
+    _put(de_ptr + bh * C * O, c1[:, None] * a_g, t, o, C, O, O)
+    d_c1 = tl.sum(e * a_g, 1)
+    y = tl.dot(inverse, d_keys, input_precision=DOT)
+    d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
+    d_end_over_s = tl.sum(k * y, 1) - eta * d_c1
+    d_eta += tl.sum(d_lower * coupling, 1) - gamma_prev * d_hom - end_over_s * d_c1
+    d_coupling = eta[:, None] * d_lower
+    d_gram = d_coupling * ratio
+    d_k = end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
+    _put(dk_ptr + bh * C * I, d_k, t, i, C, I, I)
+    q = d_coupling * gram * ratio
+    d_prev = tl.sum(q, 1) - eta * d_hom * gamma_prev
+    scaled_end = d_end_over_s * end_over_s
+    total = d_prev - tl.sum(q, 0) - scaled_end
+    d_end = tl.sum(scaled_end, 0) + tl.sum(d_gain, 0) * gamma_end
+    suffix = total - tl.cumsum(total, 0) + tl.sum(total, 0)
+    d_alpha = (suffix - d_prev + d_end) / alpha
+    tl.store(deta_ptr + bh * C + t, d_eta, mask=live)
+    tl.store(dalpha_ptr + bh * C + t, d_alpha, mask=live)
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1, *t.shape[-2:]).contiguous() if t.dim() > 2 else t.contiguous()
+
+
+def _sizes(w1: Tensor, k: Tensor) -> dict[str, Any]:
+    """Runtime sizes and the padded compile-time ones."""
+    c, i = k.shape[-2:]
+    o, m = w1.shape[-2:]
+
+    def pad(n: int) -> int:
+        return max(16, triton.next_power_of_2(n))
+
+    cp = pad(c)
+    return {
+        "C": c, "I": i, "O": o, "M": m, "CP": cp, "IP": pad(i), "OP": pad(o),
+        "BLOCK_M": min(64, pad(m)), "SQUARINGS": cp.bit_length() - 2,
+        "DOT": "ieee",
+    }  # fmt: skip
+
+
+def dgd_chunk_triton(
+    w1: Tensor, w2: Tensor, k: Tensor, e: Tensor, a: Tensor, d: Tensor,
+    eta: Tensor, alpha: Tensor, w2k: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``hope::dgd_chunk`` in one kernel launch (shapes as ``chunk_dgd_update``)."""
+    ins = [_flat(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
+                              alpha.reshape(-1, alpha.shape[-1]), w2k)]  # fmt: skip
+    outs = [torch.empty_like(x) for x in (ins[0], ins[1], ins[0], ins[1])]
+    _dgd_chunk_fwd[(ins[2].shape[0],)](*ins, *outs, **_sizes(w1, k))
+    return outs[0].view_as(w1), outs[1].view_as(w2), outs[2].view_as(w1), outs[3].view_as(w2)
+
+
+def dgd_chunk_backward_triton(
+    inputs: tuple[Tensor, ...],
+    g_w1: Tensor,
+    g_w2: Tensor,
+    g_inc1: Tensor | None,
+    g_inc2: Tensor | None,
+) -> tuple[Tensor, ...]:
+    """``hope::dgd_chunk_backward`` in one kernel launch."""
+    w1, w2, k, e, a, d, eta, alpha, w2k = inputs
+    ins = [_flat(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
+                              alpha.reshape(-1, alpha.shape[-1]), w2k)]  # fmt: skip
+    gw1, gw2 = _flat(g_w1), _flat(g_w2)
+    gi1 = gw1 if g_inc1 is None else _flat(g_inc1)
+    gi2 = gw2 if g_inc2 is None else _flat(g_inc2)
+    outs = [torch.empty_like(x) for x in ins]
+    _dgd_chunk_bwd[(ins[2].shape[0],)](
+        *ins, gw1, gw2, gi1, gi2, *outs,
+        HAS_GI1=g_inc1 is not None, HAS_GI2=g_inc2 is not None, **_sizes(w1, k),
+    )  # fmt: skip
+    return tuple(out.view_as(x) for out, x in zip(outs, inputs, strict=True))

@@ -1,0 +1,64 @@
+"""Runs the Triton kernels of ``hope::dgd_chunk`` on the device given as argv[1] and
+prints, as JSON, their largest differences from the PyTorch forms (tests/test_dgd_fused.py
+runs it on a CPU under TRITON_INTERPRET=1, which must be set before Triton is imported;
+scripts/gpu_check.sh's tests run it on CUDA)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from hope.memory.ops.chunk import chunk_dgd_update
+from hope.memory.ops.dgd_fused import dgd_chunk_backward_reference
+from hope.memory.ops.dgd_triton import dgd_chunk_backward_triton, dgd_chunk_triton
+
+# (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
+SHAPES = [(8, 12, 40, 5), (16, 16, 64, 16), (1, 4, 8, 1), (20, 8, 136, 8)]
+
+
+def inputs(c: int, i: int, m: int, o: int, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(c * 1000 + m)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+
+    b, h = 2, 3
+    k = torch.nn.functional.normalize(rand(b, h, c, i), dim=-1)
+    eta = (0.05 + 0.5 * torch.rand(b, h, c, generator=gen, dtype=torch.float64)).to(device, dtype)
+    alpha = (0.6 + 0.4 * torch.rand(b, h, c, generator=gen, dtype=torch.float64)).to(device, dtype)
+    return [rand(b, h, o, m, scale=0.3), rand(b, h, m, i, scale=0.5), k, rand(b, h, c, o),
+            rand(b, h, c, m), rand(b, h, c, m), eta, alpha, rand(b, h, c, m)]  # fmt: skip
+
+
+def worst(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
+    """Largest |got - want| relative to the largest |want| of each tensor."""
+    return max(
+        ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def main(device: str) -> dict[str, float]:
+    errors: dict[str, float] = {}
+    for dtype in (torch.float64, torch.float32):
+        for c, i, m, o in SHAPES:
+            x = inputs(c, i, m, o, dtype, device)
+            w1, w2, k, e, a, d, eta, alpha, w2k = x
+            want = chunk_dgd_update(w1, w2, w1, w2, k, e, a, d, eta, alpha, True, 0.0, w2k)
+            name = f"{str(dtype).removeprefix('torch.')}_C{c}_I{i}_M{m}_O{o}"
+            errors[f"forward_{name}"] = worst(dgd_chunk_triton(*x), want)
+            gen = torch.Generator().manual_seed(7)
+            grads = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device, dtype)
+                     for t in want]  # fmt: skip
+            for with_inc in (True, False):
+                g_inc = (grads[2], grads[3]) if with_inc else (None, None)
+                got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
+                ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
+                errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
+    return errors
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "cpu")))

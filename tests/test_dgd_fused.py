@@ -1,0 +1,190 @@
+"""The ``fused`` memory backend: the SMT's DGD chunk write as one operator
+(``hope::dgd_chunk``) with a closed-form backward, and its Triton kernels.
+
+float64 everywhere: the operator equals ``chunk_dgd_update`` and autograd's gradients
+of it (which test_memory_ops.py checks against the token loop); the Triton kernels,
+run by Triton's interpreter on this CPU, equal the PyTorch forms; a whole HOPE model
+trains to the same loss and gradients under either backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import hope
+from hope.bench.measure import LaunchCounter
+from hope.config import TrainConfig
+from hope.memory.ops import dispatch
+from hope.memory.ops.chunk import chunk_dgd_update
+from hope.memory.ops.dgd_fused import dgd_chunk
+from hope.memory.residual_mlp import FastWeights
+from hope.model.config import ModelConfig
+from hope.train.device import setup_runtime
+
+DT = torch.float64
+TESTS = Path(__file__).parent
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _inputs(c: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    b, h, i, m, o = 2, 3, 6, 10, 5
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=DT) * scale).requires_grad_()
+
+    k = F.normalize(torch.randn(b, h, c, i, generator=gen, dtype=DT), dim=-1)
+    return {
+        "w1": rand(b, h, o, m, scale=0.3),
+        "w2": rand(b, h, m, i, scale=0.5),
+        "k": k.requires_grad_(),
+        "e": rand(b, h, c, o),
+        "a": rand(b, h, c, m),
+        "d": rand(b, h, c, m),
+        # Large steps and a wide decay range: the preconditioner and decays matter.
+        "eta": (0.05 + 0.5 * torch.rand(b, h, c, generator=gen, dtype=DT)).requires_grad_(),
+        "alpha": (0.6 + 0.4 * torch.rand(b, h, c, generator=gen, dtype=DT)).requires_grad_(),
+        "w2k": rand(b, h, c, m),
+    }
+
+
+def _closed_form(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    w1, w2, k, e, a, d, eta, alpha, w2k = x.values()
+    return chunk_dgd_update(w1, w2, w1, w2, k, e, a, d, eta, alpha, True, 0.0, w2k)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+@pytest.mark.parametrize("increments", [True, False])
+def test_fused_write_equals_closed_form_and_its_gradients(chunk: int, increments: bool) -> None:
+    """Values exactly; gradients of every input to 1e-12 (a loss on W1', W2' and, when
+    ``increments``, on the increments too: the momentum rule's path)."""
+    x = _inputs(chunk, seed=chunk)
+    want, got = _closed_form(x), dgd_chunk(*x.values())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    gen = torch.Generator().manual_seed(1)
+    used = 4 if increments else 2
+    probes = [torch.randn(t.shape, generator=gen, dtype=DT) for t in want[:used]]
+
+    def grads(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        loss = sum((o * p).sum() for o, p in zip(outs, probes, strict=False))
+        return torch.autograd.grad(loss, list(x.values()))
+
+    for name, g, w in zip(x, grads(got), grads(want), strict=True):
+        assert w.abs().max() > 0, name  # every input reaches the outputs
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_fused_write_is_one_launch_each_way() -> None:
+    """What a GPU pays per chunk write: one kernel forward, one backward (the closed
+    form differentiated by autograd: dozens each way)."""
+    counts = {}
+    for name, write in (("fused", lambda x: dgd_chunk(*x.values())), ("torch", _closed_form)):
+        x = _inputs(8)
+        with LaunchCounter() as forward:
+            out = write(x)
+        loss = out[0].sum() + out[1].sum()
+        with LaunchCounter() as backward:
+            loss.backward()
+        counts[name] = (forward.count, backward.count)
+    # backward: the loss's seed (ones_like) and the operator.
+    assert counts["fused"] == (1, 2), counts
+    assert counts["torch"][0] > 20 and counts["torch"][1] > 40, counts
+
+
+def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    dispatch.set_default_backend(backend)
+    try:
+        torch.manual_seed(0)
+        model = hope.build_model(model_cfg).double()
+        tokens = torch.randint(0, model_cfg.vocab_size or 64, (2, 48))
+        loss = model.training_loss(tokens, tokens)
+        loss.backward()
+    finally:
+        dispatch.set_default_backend("torch")
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("variant", ["hope", "titans_mac"])
+def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(variant: str) -> None:
+    """HOPE (its SMT writes through the operator) and Titans (no fused write: the
+    closed form) under ``fused`` equal ``torch`` in float64."""
+    cfg = dataclasses.replace(
+        ModelConfig(), variant=variant, dim=32, n_heads=2, n_layers=2, vocab_size=64,
+        cms_periods=[4, 16], smt_chunk=8, smt_mem_chunk=16, titans_chunk=8,
+    )  # fmt: skip
+    want_loss, want = _train_step(cfg, "torch")
+    got_loss, got = _train_step(cfg, "fused")
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-13, atol=0)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+
+
+def test_fused_write_through_dgd_write_and_fallbacks() -> None:
+    """dgd_write under ``fused``: the operator for the default rule, the closed form bit
+    for bit for the rules it has no kernel for (momentum, no preconditioning)."""
+    x = _inputs(6)
+    w1, w2 = x["w1"], x["w2"]
+    fast = FastWeights(w1, w2, torch.zeros_like(w1), torch.zeros_like(w2))
+    target = torch.randn(w1.shape[0], w1.shape[1], 6, w1.shape[2], dtype=DT)
+    args = (fast, x["k"], target, x["eta"], x["alpha"])
+    for precondition, momentum in ((True, 0.0), (True, 0.5), (False, 0.0)):
+        kw = {"objective": "l2", "residual": False, "precondition": precondition,
+              "momentum": momentum}  # fmt: skip
+        got = dispatch.dgd_write(*args, **kw, backend="fused")
+        want = dispatch.dgd_write(*args, **kw, backend="torch")
+        exact = 0.0 if momentum or not precondition else 1e-14
+        for name in ("w1", "w2", "m1", "m2"):
+            torch.testing.assert_close(
+                getattr(got, name), getattr(want, name), rtol=exact, atol=exact, msg=name
+            )
+
+
+def test_fused_backend_is_accepted_on_a_cpu_and_named_in_errors() -> None:
+    setup_runtime(TrainConfig(memory_backend="fused"), torch.device("cpu"))
+    try:
+        assert dispatch.resolve_backend(None) == "fused"
+    finally:
+        dispatch.set_default_backend("torch")
+    with pytest.raises(ValueError, match="unknown memory backend 'fuse'"):
+        dispatch.resolve_backend("fuse")
+
+
+def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "dgd_triton_worker.py"), device],
+        env={**os.environ, "PYTHONPATH": str(TESTS), **env},
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
+    assert len(errors) == 24
+    for name, err in errors.items():
+        assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is installed with the dev extra")
+def test_triton_kernels_equal_the_pytorch_forms_in_the_interpreter() -> None:
+    """The kernels' arithmetic, run by Triton's interpreter on this CPU: padded tiles
+    (C = 1, 8, 16, 20; odd widths), several h_m blocks, with and without increment
+    gradients, float64 and float32."""
+    _check_errors(_run_worker("cpu", {"TRITON_INTERPRET": "1"}), fp32_tol=5e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
+    _check_errors(_run_worker("cuda", {}), fp32_tol=5e-5)
