@@ -6,12 +6,14 @@
 #   1. the CUDA sync-debug test (a training step of four variants under
 #      torch.cuda.set_sync_debug_mode("error"): no host syncs),
 #   2. compile parity (the torch.compile'd memory chunk steps equal eager ones;
-#      memory_backend=compile tests) and FLA parity where flash-linear-attention
-#      is installed,
+#      memory_backend=compile tests), the fused backend's Triton kernels against
+#      their PyTorch forms (tests/test_dgd_fused.py) and FLA parity where
+#      flash-linear-attention is installed,
 #   3. the bench of every variant at the pilot_chunks shape (launches per step) and
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
 #      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches;
-#      HOPE's frozen-base reads compiled at the pilot_frozen shape,
+#      HOPE's frozen-base reads compiled at the pilot_frozen shape, and HOPE with
+#      memory_backend=fused at pilot_chunks and pilot,
 #   4. the projection of the pilot shape (hope.bench.projection: launches counted on
 #      this machine's CPU) beside its measured step (measured/eager = the error),
 #   5. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
@@ -73,6 +75,7 @@ part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_sync
 # without code generation, which takes minutes per graph set on its 2 cores).
 part compile_parity 180 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
   tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
+part fused_parity 240 python -m pytest -q -p no:cacheprovider -rs tests/test_dgd_fused.py
 # FLA parity needs the fla package, which the project does not depend on (and the GPU
 # machine may have no network to fetch it): run it where it imports, say so where not.
 if python -c 'import fla' 2>/dev/null; then
@@ -115,6 +118,8 @@ bench pilot_frozen --set 'bench.shapes=[pilot_frozen]' --set 'bench.variants=[tr
   --set bench.memory_backend=compile
 bench pilot --set 'bench.shapes=[pilot]'
 bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
+bench pilot_fused --set 'bench.shapes=[pilot_chunks,pilot]' --set 'bench.variants=[transformer,hope]' \
+  --set bench.memory_backend=fused
 
 # The projection of the pilot preset (launch counts on this machine's CPU) for the
 # bench's pilot shape, compared below with its measured step.
@@ -126,13 +131,17 @@ variants = ["transformer", "hope_attention", "hope", "titans_lmm", "titans_mac",
             "titans_mal"]
 rows = {v: projection.project_variant("pilot", v) for v in variants}
 Path(sys.argv[1], "projection.json").write_text(json.dumps(rows, indent=1))
+from hope.memory.ops.dispatch import set_default_backend
+set_default_backend("fused")  # HOPE's SMT writes as one kernel each way
+fused = {"hope": projection.project_variant("pilot", "hope")}
+Path(sys.argv[1], "projection_fused.json").write_text(json.dumps(fused, indent=1))
 PY
 
 python - "$out" <<'PY' | tee -a "$summary"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("pilot_chunks", "pilot", "pilot_compile"):
+for name in ("pilot_chunks", "pilot", "pilot_compile", "pilot_fused"):
     path = out / f"bench_{name}.json"
     if not path.exists():
         print(f"{name}: no report")
@@ -154,16 +163,18 @@ for name in ("pilot_chunks", "pilot", "pilot_compile"):
     for shape, skipped in meta.get("skipped", {}).items():
         for variant, reason in skipped.items():
             print(f"{name:13s} {variant:15s} skipped: {reason}")
-projected = out / "projection.json"
-measured = out / "bench_pilot.json"
-if projected.exists() and measured.exists():
+for suffix in ("", "_fused"):
+    projected = out / f"projection{suffix}.json"
+    measured = out / f"bench_pilot{suffix}.json"
+    if not (projected.exists() and measured.exists()):
+        continue
     rows, pilot = json.loads(projected.read_text()), json.loads(measured.read_text())["pilot"]
     for variant, row in rows.items():
         shape = row["bench_pilot_shape"]
         h200 = shape["devices"]["H200"]
         got = pilot.get(variant, {}).get("step_ms")
         ratio = "-" if got is None else f"{got / h200['eager_ms']:.2f}"
-        print(f"projection {variant:15s} launches {shape['launches']:>9d} H200 eager "
+        print(f"projection{suffix} {variant:15s} launches {shape['launches']:>9d} H200 eager "
               f"{h200['eager_ms']:>9.1f} ms graph {h200['graph_ms']:>8.1f} ms floor "
               f"{h200['floor_ms']:>7.1f} ms measured {got} ms  measured/eager {ratio}")
 PY

@@ -12,6 +12,7 @@ import torch
 
 import hope
 from hope.bench.measure import CudaKernelCounter
+from hope.memory.ops.dispatch import set_default_backend
 from hope.optim.outer import build_optimizer
 from hope.train.schedule import build_scheduler
 from hope.train.step import train_step
@@ -23,12 +24,23 @@ FROZEN_READS = ("model.smt_chunk=64", "model.smt_mem_chunk=64", "model.smt_read_
 
 
 @pytest.mark.parametrize(
-    ("variant", "extra"),
-    [("transformer", ()), ("hope_attention", ()), ("hope", ()), ("hope", FROZEN_READS),
-     ("titans_mac", ())],
-    ids=["transformer", "hope_attention", "hope", "hope-frozen_reads", "titans_mac"],
+    ("variant", "extra", "backend"),
+    [("transformer", (), "torch"), ("hope_attention", (), "torch"), ("hope", (), "torch"),
+     ("hope", FROZEN_READS, "torch"), ("titans_mac", (), "torch"), ("hope", (), "fused")],
+    ids=["transformer", "hope_attention", "hope", "hope-frozen_reads", "titans_mac",
+         "hope-fused"],
 )  # fmt: skip
-def test_training_step_is_sync_free_on_cuda(variant: str, extra: tuple[str, ...]) -> None:
+def test_training_step_is_sync_free_on_cuda(
+    variant: str, extra: tuple[str, ...], backend: str
+) -> None:
+    set_default_backend(backend)  # the fused write's Triton kernels launch no sync either
+    try:
+        _sync_free_step(variant, extra)
+    finally:
+        set_default_backend("torch")
+
+
+def _sync_free_step(variant: str, extra: tuple[str, ...]) -> None:
     cfg = hope.load_config(None, [f"model.variant={variant}", "train.device=cuda", *extra])
     device = torch.device("cuda")
     model = hope.build_model(cfg.model).to(device)

@@ -160,8 +160,10 @@ def dgd_write(
         name = "torch"  # no fla kernel for this rule: the same values by the closed form
     fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     if name == "fused" and precondition and not momentum:
-        out = dgd_chunk(fast.w1, fast.w2, k, fac.e, fac.a, fac.d, eta, alpha, fac.pre)
-        return fast.with_weights(*out)
+        # One dtype into the kernel: the fast state's (autocast may make factors bf16).
+        dt = fast.w1.dtype
+        parts = (k, fac.e, fac.a, fac.d, eta, alpha, fac.pre)
+        return fast.with_weights(*dgd_chunk(fast.w1, fast.w2, *(t.to(dt) for t in parts)))
     # For 'fla' the cheap decay-only W2 path runs here and is replaced below.
     w1, w2, m1, m2 = _chunk_fn(name, chunk_dgd_update)(
         fast.w1,
