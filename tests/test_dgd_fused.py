@@ -77,7 +77,7 @@ def test_fused_write_equals_closed_form_and_its_gradients(chunk: int, increments
     probes = [torch.randn(t.shape, generator=gen, dtype=DT) for t in want[:used]]
 
     def grads(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        loss = sum((o * p).sum() for o, p in zip(outs, probes, strict=False))
+        loss = torch.stack([(o * p).sum() for o, p in zip(outs, probes, strict=False)]).sum()
         return torch.autograd.grad(loss, list(x.values()))
 
     for name, g, w in zip(x, grads(got), grads(want), strict=True):
@@ -115,14 +115,23 @@ def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, lis
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("variant", ["hope", "titans_mac"])
-def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(variant: str) -> None:
-    """HOPE (its SMT writes through the operator) and Titans (no fused write: the
-    closed form) under ``fused`` equal ``torch`` in float64."""
-    cfg = dataclasses.replace(
-        ModelConfig(), variant=variant, dim=32, n_heads=2, n_layers=2, vocab_size=64,
-        cms_periods=[4, 16], smt_chunk=8, smt_mem_chunk=16, titans_chunk=8,
-    )  # fmt: skip
+FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
+
+
+@pytest.mark.parametrize(
+    ("variant", "extra"),
+    [("hope", {}), ("hope", FROZEN), ("titans_mac", {})],
+    ids=["hope", "hope-frozen_reads", "titans_mac"],
+)
+def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(
+    variant: str, extra: dict[str, int]
+) -> None:
+    """HOPE (its SMT writes through the operator; the frozen-read mode's masked copies
+    too) and Titans (no fused write: the closed form) under ``fused`` equal ``torch``
+    in float64."""
+    shape = {"dim": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 64, "cms_periods": [4, 16],
+             "smt_chunk": 8, "smt_mem_chunk": 16, "titans_chunk": 8}  # fmt: skip
+    cfg = dataclasses.replace(ModelConfig(), variant=variant, **{**shape, **extra})
     want_loss, want = _train_step(cfg, "torch")
     got_loss, got = _train_step(cfg, "fused")
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-13, atol=0)
