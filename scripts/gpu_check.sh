@@ -7,7 +7,7 @@
 #      torch.cuda.set_sync_debug_mode("error"): no host syncs),
 #   2. compile parity (the torch.compile'd memory chunk steps equal eager ones;
 #      memory_backend=compile tests), the fused backend's Triton kernels against
-#      their PyTorch forms (tests/test_dgd_fused.py) and FLA parity where
+#      their PyTorch forms (tests/test_fused_ops.py) and FLA parity where
 #      flash-linear-attention is installed,
 #   3. the bench of every variant at the pilot_chunks shape (launches per step) and
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
@@ -75,7 +75,7 @@ part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_sync
 # without code generation, which takes minutes per graph set on its 2 cores).
 part compile_parity 180 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
   tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
-part fused_parity 240 python -m pytest -q -p no:cacheprovider -rs tests/test_dgd_fused.py
+part fused_parity 240 python -m pytest -q -p no:cacheprovider -rs tests/test_fused_ops.py
 # FLA parity needs the fla package, which the project does not depend on (and the GPU
 # machine may have no network to fetch it): run it where it imports, say so where not.
 if python -c 'import fla' 2>/dev/null; then

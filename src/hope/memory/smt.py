@@ -235,7 +235,7 @@ class SelfModifyingTitans(nn.Module):
             self.cfg.objective, residual,
         )  # fmt: skip
         new = dgd_write(
-            fast, k, step.target, bounded_eta(eta, step.coupling), alpha,
+            fast, k, step.target, bounded_eta(eta, step.coupling, backend), alpha,
             objective=self.cfg.objective, residual=residual,
             precondition=self.cfg.precondition, momentum=self.cfg.momentum,
             backend=backend, factors=step.factors,

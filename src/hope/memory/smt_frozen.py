@@ -212,7 +212,7 @@ def frozen_segment(
         inputs = inputs.join(stack)
     states = dgd_write(
         FastWeights(*inputs.base), inputs.k, inputs.target,
-        bounded_eta(inputs.eta, inputs.coupling), inputs.alpha, objective=objective,
+        bounded_eta(inputs.eta, inputs.coupling, backend), inputs.alpha, objective=objective,
         residual=residual, precondition=precondition,
         momentum=0.0, backend=backend, factors=GradFactors(*inputs.factors),
     )  # fmt: skip

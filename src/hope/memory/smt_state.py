@@ -18,9 +18,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.memory.fast_state import where_samples
-from hope.memory.ops.dispatch import compiled
+from hope.memory.ops.dispatch import compiled, overshoot
 from hope.memory.pieces import PieceGrid
-from hope.memory.residual_mlp import FastWeights, overshoot_ratio
+from hope.memory.residual_mlp import FastWeights
 
 
 @dataclass
@@ -113,7 +113,7 @@ def detach_generated(gen: Generated) -> Generated:
     return Generated(*(getattr(gen, f).detach() for f in FIELDS))
 
 
-def bounded_eta(eta: Tensor, coupling: Tensor) -> Tensor:
+def bounded_eta(eta: Tensor, coupling: Tensor, backend: str | None = None) -> Tensor:
     """eta_t / (1 + rho): the inner step of eq. 88 with an overshoot bound.
 
     A chunk applies C gradients taken at its start state (eq. 90). Where its keys
@@ -125,7 +125,7 @@ def bounded_eta(eta: Tensor, coupling: Tensor) -> Tensor:
     ratio below 1 and leaves eta unchanged while rho << 1. A deviation;
     docs/FAITHFULNESS.md. Tokens with eta = 0 do not enter rho.
     """
-    rho = overshoot_ratio(coupling, eta.detach())  # [B, H]
+    rho = overshoot(coupling, eta.detach(), backend)  # [B, H]
     return eta / (1.0 + rho.unsqueeze(-1))
 
 

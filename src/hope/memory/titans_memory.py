@@ -49,13 +49,12 @@ from hope.memory.deep_mlp import (
 )
 from hope.memory.fast_state import where_samples
 from hope.memory.ops.chunk import momentum_chunk_weights
-from hope.memory.ops.dispatch import compiled, momentum_write, resolve_backend
+from hope.memory.ops.dispatch import compiled, momentum_write, overshoot, resolve_backend
 from hope.memory.residual_mlp import (
     FastWeights,
     MemoryInit,
     chunk_pass,
     mlp_apply,
-    overshoot_ratio,
 )
 
 # Gate values at init (the paper gives none): theta at half its cap (a
@@ -64,7 +63,7 @@ from hope.memory.residual_mlp import (
 _GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
 
 
-def chunk_step_cap(kernel: Tensor, end_weights: Tensor) -> Tensor:
+def chunk_step_cap(kernel: Tensor, end_weights: Tensor, backend: str | None = None) -> Tensor:
     """Cap theta_max [B, H, 1] of a chunk's inner steps theta_s = theta_max sigma_s / lambda_s.
 
     A deviation (docs/FAITHFULNESS.md): the paper's theta_t is an unbounded
@@ -91,7 +90,7 @@ def chunk_step_cap(kernel: Tensor, end_weights: Tensor) -> Tensor:
     """
     kernel, end_weights = kernel.detach(), end_weights.detach()  # [B, H, C, C], [B, H, C]
     curvature = kernel.diagonal(dim1=-2, dim2=-1).clamp_min(1.0)
-    rho = overshoot_ratio(kernel, end_weights / curvature)  # [B, H]
+    rho = overshoot(kernel, end_weights / curvature, backend)  # [B, H]
     return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
 
 
@@ -292,7 +291,8 @@ class NeuralMemory(nn.Module):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
         # w_s once: the cap reads it detached, the write differentiates through it.
         weights = momentum_chunk_weights(eta, keep)
-        rate = chunk_step_cap(step.coupling, weights) * theta / step.curvature.clamp_min(1.0)
+        cap = chunk_step_cap(step.coupling, weights, backend)
+        rate = cap * theta / step.curvature.clamp_min(1.0)
         fast = momentum_write(
             fast, k, v, rate, eta, keep, objective="l2", residual=True, backend=backend,
             end_weights=weights, factors=step.factors,
@@ -316,7 +316,7 @@ class NeuralMemory(nn.Module):
         read = deep_apply(fast.weights, q)
         factors = deep_factors(fast.weights, k, v)
         weights = momentum_chunk_weights(eta, keep)
-        step = chunk_step_cap(factors.coupling, weights) * theta
+        step = chunk_step_cap(factors.coupling, weights, backend) * theta
         step = step / factors.curvature.clamp_min(1.0)
         if resolve_backend(backend) == "naive":
             return naive_deep_write(fast, k, v, step, eta, keep), read

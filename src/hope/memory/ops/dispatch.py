@@ -21,9 +21,10 @@ Backends:
   each segment's retrieval and attention (``model/titans.py``): 12-16% off a
   tiny-shape training step on a 2-core CPU (bench, ``bench.memory_backend=compile``).
 - ``"fused"``: the SMT's default write (preconditioned DGD, no momentum) as one
-  operator with a closed-form backward, ``hope::dgd_chunk`` (``dgd_fused.py``): one
+  operator with a closed-form backward, ``hope::dgd_chunk`` (``fused.py``): one
   Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
-  closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches). The
+  closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); and
+  every chunk's overshoot bound (``overshoot``) as one operator instead of ~30. The
   other writes run the ``"torch"`` closed form; on CUDA it needs Triton (shipped
   with CUDA builds of torch), refused when the default is set otherwise.
 
@@ -44,9 +45,16 @@ import torch
 from torch import Tensor
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
-from hope.memory.ops.dgd_fused import dgd_chunk
+from hope.memory.ops.fused import dgd_chunk, overshoot_ratio_op
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
-from hope.memory.residual_mlp import FastWeights, GradFactors, Objective, Residual, grad_factors
+from hope.memory.residual_mlp import (
+    FastWeights,
+    GradFactors,
+    Objective,
+    Residual,
+    grad_factors,
+    overshoot_ratio,
+)
 
 Backend = Literal["torch", "naive", "fla", "compile", "fused"]
 BACKENDS: tuple[str, ...] = ("torch", "naive", "fla", "compile", "fused")
@@ -124,6 +132,14 @@ def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) 
         output_final_state=True,
     )
     return final.transpose(-1, -2).to(w2.dtype)
+
+
+def overshoot(kernel: Tensor, step: Tensor, backend: str | None = None) -> Tensor:
+    """``overshoot_ratio`` rho [B, H] of a chunk's kernel bound [B, H, C, C] and steps
+    [B, H, C] (a stabiliser's input: no gradient); one operator under ``fused``."""
+    if resolve_backend(backend) == "fused":
+        return overshoot_ratio_op(kernel.detach(), step.detach())
+    return overshoot_ratio(kernel, step)
 
 
 def dgd_write(

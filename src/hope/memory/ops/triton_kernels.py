@@ -1,5 +1,7 @@
-"""Triton kernels of ``hope::dgd_chunk`` and its backward (``memory/ops/dgd_fused.py``):
-one program per (sample, stacked head), the whole chunk in it.
+"""Triton kernels of the ``fused`` backend's operators (``memory/ops/fused.py``): one
+program per (sample, stacked head), the whole chunk in it.
+
+``hope::dgd_chunk`` and its backward:
 
 Per program: the decays γ, the C x C preconditioner L = I + η ⊙ (P ∘ K K^T) and its
 inverse, the keys Z = L^-T (γ_C/γ_s ⊙ K) (C x I, kept in registers), then the h_m
@@ -14,8 +16,11 @@ The backward recomputes the C x C terms and Z from the inputs (the operator save
 nothing else), accumulates dZ, dE and the decay sums over the h_m blocks, then
 takes the C x C part (``dgd_chunk_backward_reference`` written per program).
 
+``hope::overshoot_ratio``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
+the Collatz-Wielandt bound after four power iterations (``residual_mlp.perron_bound``).
+
 Tested on a CPU with ``TRITON_INTERPRET=1`` against the PyTorch forms
-(tests/test_dgd_fused.py); scripts/gpu_check.sh runs the same parity on CUDA.
+(tests/test_fused_ops.py); scripts/gpu_check.sh runs the same parity on CUDA.
 """
 
 from __future__ import annotations
@@ -180,6 +185,33 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
     d_alpha = (suffix - d_prev + d_end) / alpha
     tl.store(deta_ptr + bh * C + t, d_eta, mask=live)
     tl.store(dalpha_ptr + bh * C + t, d_alpha, mask=live)
+
+
+@triton.jit
+def _overshoot(kernel_ptr, step_ptr, rho_ptr, C, CP: tl.constexpr, ITERATIONS: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, CP)
+    live = t < C
+    root = tl.sqrt(tl.maximum(tl.load(step_ptr + bh * C + t, mask=live, other=0.0), 0.0))
+    matrix = root[:, None] * _tile(kernel_ptr + bh * C * C, t, t, C, C, C) * root[None, :]
+    x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
+    for _ in tl.static_range(ITERATIONS):
+        x = tl.sum(matrix * x[None, :], 1)
+        x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
+    ratio = tl.where(live, tl.sum(matrix * x[None, :], 1) / x, 0.0)
+    tl.store(rho_ptr + bh, 2.0 * tl.max(ratio, 0))
+
+
+def overshoot_ratio_triton(kernel: Tensor, step: Tensor, iterations: int = 4) -> Tensor:
+    """``hope::overshoot_ratio`` in one kernel launch."""
+    c = kernel.shape[-1]
+    flat_kernel = kernel.reshape(-1, c, c).contiguous()
+    rho = kernel.new_empty(flat_kernel.shape[0])
+    _overshoot[(flat_kernel.shape[0],)](
+        flat_kernel, step.reshape(-1, c).contiguous(), rho, c,
+        CP=max(16, triton.next_power_of_2(c)), ITERATIONS=iterations,
+    )  # fmt: skip
+    return rho.view(kernel.shape[:-2])
 
 
 def _flat(t: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update
-from hope.memory.ops.dgd_fused import dgd_chunk
+from hope.memory.ops.fused import dgd_chunk
 from hope.memory.residual_mlp import FastWeights
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
@@ -102,6 +102,21 @@ def test_fused_write_is_one_launch_each_way() -> None:
     assert counts["torch"][0] > 20 and counts["torch"][1] > 40, counts
 
 
+def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
+    gen = torch.Generator().manual_seed(0)
+    act = torch.randn(2, 3, 12, 8, generator=gen, dtype=DT)
+    kernel = (act @ act.transpose(-1, -2)).abs()
+    step = torch.rand(2, 3, 12, generator=gen, dtype=DT)
+    counts, values = {}, {}
+    for backend in ("fused", "torch"):
+        with LaunchCounter() as counter:
+            values[backend] = dispatch.overshoot(kernel, step, backend)
+        counts[backend] = counter.count
+    torch.testing.assert_close(values["fused"], values["torch"], rtol=0, atol=0)
+    assert values["torch"].shape == (2, 3) and bool((values["torch"] > 0).all())
+    assert counts["fused"] == 1 and counts["torch"] > 20, counts
+
+
 def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     dispatch.set_default_backend(backend)
     try:
@@ -172,7 +187,7 @@ def test_fused_backend_is_accepted_on_a_cpu_and_named_in_errors() -> None:
 
 def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, str(TESTS / "dgd_triton_worker.py"), device],
+        [sys.executable, str(TESTS / "triton_worker.py"), device],
         env={**os.environ, "PYTHONPATH": str(TESTS), **env},
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -181,16 +196,17 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 24
+    assert len(errors) == 32
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is installed with the dev extra")
 def test_triton_kernels_equal_the_pytorch_forms_in_the_interpreter() -> None:
-    """The kernels' arithmetic, run by Triton's interpreter on this CPU: padded tiles
-    (C = 1, 8, 16, 20; odd widths), several h_m blocks, with and without increment
-    gradients, float64 and float32."""
+    """The kernels' arithmetic, run by Triton's interpreter on this CPU: the DGD write
+    over padded tiles (C = 1, 8, 16, 20; odd widths), several h_m blocks, with and
+    without increment gradients; the overshoot bound with non-writing tokens; float64
+    and float32."""
     _check_errors(_run_worker("cpu", {"TRITON_INTERPRET": "1"}), fp32_tol=5e-6)
 
 

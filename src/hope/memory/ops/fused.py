@@ -1,5 +1,7 @@
-"""The SMT's DGD chunk write as one operator with a closed-form backward (backend
-``fused``; NL-arXiv eq. 88, MECHANISMS §8.1).
+"""Memory-write steps as single operators (backend ``fused``): the SMT's DGD chunk write
+with a closed-form backward (NL-arXiv eq. 88, MECHANISMS §8.1), and the overshoot
+bound every chunked write divides its steps by (``hope::overshoot_ratio``, no gradient:
+a stabiliser's input).
 
 ``chunk_dgd_update`` (``memory/ops/chunk.py``) differentiated by autograd launches
 about 37 kernels forward and 76 backward per chunk and memory group (the C x C decay
@@ -7,7 +9,7 @@ ratios, the preconditioner's solve, the products, and autograd's node per op): a
 the pilot chunking that is 22 k of the 57 k launches of a HOPE layer-step. Here the
 write of the default rule (preconditioned, no momentum) is one ``torch.library``
 operator, ``hope::dgd_chunk``, whose backward is another, ``hope::dgd_chunk_backward``,
-written out below. On CUDA each is one Triton kernel (``dgd_triton.py``); on other
+written out below. On CUDA each is one Triton kernel (``triton_kernels.py``); on other
 devices each runs the same closed form in PyTorch ops (so a CPU counts the launches
 a GPU pays, and float64 tests compare every path). The forward keeps only its
 inputs for backward and recomputes the C x C terms there.
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 from hope.memory.ops.chunk import chunk_dgd_update
+from hope.memory.residual_mlp import overshoot_ratio
 
 _Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -131,7 +134,7 @@ def dgd_chunk(
     values of ``chunk_dgd_update(..., precondition=True, momentum=0, w2k=w2k)`` (its
     m1, m2 are the increments)."""
     if _uses_triton(k):
-        from hope.memory.ops.dgd_triton import dgd_chunk_triton
+        from hope.memory.ops.triton_kernels import dgd_chunk_triton  # CUDA builds ship Triton
 
         return dgd_chunk_triton(w1, w2, k, e, a, d, eta, alpha, w2k)
     # Momentum 0 never reads m1, m2: the weights stand in for them.
@@ -163,7 +166,7 @@ def dgd_chunk_backward(
     """The gradients of ``dgd_chunk``'s inputs (``dgd_chunk_backward_reference``)."""
     inputs = (w1, w2, k, e, a, d, eta, alpha, w2k)
     if _uses_triton(k):
-        from hope.memory.ops.dgd_triton import dgd_chunk_backward_triton
+        from hope.memory.ops.triton_kernels import dgd_chunk_backward_triton
 
         return dgd_chunk_backward_triton(inputs, g_w1, g_w2, g_inc1, g_inc2)  # type: ignore[return-value]
     return dgd_chunk_backward_reference(inputs, g_w1, g_w2, g_inc1, g_inc2)
@@ -192,3 +195,20 @@ def _backward(ctx: Any, *grads: Tensor | None) -> _Grads:
 
 
 dgd_chunk.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("hope::overshoot_ratio", mutates_args=())
+def overshoot_ratio_op(kernel: Tensor, step: Tensor) -> Tensor:
+    """``residual_mlp.overshoot_ratio`` (kernel [B, H, C, C] >= 0, step [B, H, C] -> rho
+    [B, H]) in one launch: the ~30 ops of its power iterations in one Triton kernel on
+    CUDA. Its inputs carry no gradient (callers detach them)."""
+    if _uses_triton(kernel):
+        from hope.memory.ops.triton_kernels import overshoot_ratio_triton
+
+        return overshoot_ratio_triton(kernel, step)
+    return overshoot_ratio(kernel, step)
+
+
+@overshoot_ratio_op.register_fake
+def _(kernel: Tensor, step: Tensor) -> Tensor:
+    return kernel.new_empty(kernel.shape[:-2])

@@ -1,5 +1,5 @@
-"""Runs the Triton kernels of ``hope::dgd_chunk`` on the device given as argv[1] and
-prints, as JSON, their largest differences from the PyTorch forms (tests/test_dgd_fused.py
+"""Runs the Triton kernels of the fused backend on the device given as argv[1] and
+prints, as JSON, their largest differences from the PyTorch forms (tests/test_fused_ops.py
 runs it on a CPU under TRITON_INTERPRET=1, which must be set before Triton is imported;
 scripts/gpu_check.sh's tests run it on CUDA)."""
 
@@ -11,8 +11,13 @@ import sys
 import torch
 
 from hope.memory.ops.chunk import chunk_dgd_update
-from hope.memory.ops.dgd_fused import dgd_chunk_backward_reference
-from hope.memory.ops.dgd_triton import dgd_chunk_backward_triton, dgd_chunk_triton
+from hope.memory.ops.fused import dgd_chunk_backward_reference
+from hope.memory.ops.triton_kernels import (
+    dgd_chunk_backward_triton,
+    dgd_chunk_triton,
+    overshoot_ratio_triton,
+)
+from hope.memory.residual_mlp import overshoot_ratio
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
 SHAPES = [(8, 12, 40, 5), (16, 16, 64, 16), (1, 4, 8, 1), (20, 8, 136, 8)]
@@ -57,6 +62,16 @@ def main(device: str) -> dict[str, float]:
                 got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
                 ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
                 errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
+        for c, *_ in SHAPES:
+            gen = torch.Generator().manual_seed(c)
+            act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)
+            kernel = (act @ act.transpose(-1, -2)).abs().to(device, dtype)  # >= 0, symmetric
+            step = torch.rand(2, 3, c, generator=gen, dtype=torch.float64) * 0.1
+            step[..., ::3] = 0.0  # tokens that do not write
+            step = step.to(device, dtype)
+            name = f"overshoot_{str(dtype).removeprefix('torch.')}_C{c}"
+            got, want = overshoot_ratio_triton(kernel, step), overshoot_ratio(kernel, step)
+            errors[name] = worst((got,), (want,))
     return errors
 
 
