@@ -25,8 +25,8 @@ import hope
 from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
 from hope.memory.ops import dispatch
-from hope.memory.ops.chunk import chunk_dgd_update
-from hope.memory.ops.fused import dgd_chunk
+from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.residual_mlp import FastWeights
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
@@ -102,6 +102,52 @@ def test_fused_write_is_one_launch_each_way() -> None:
     assert counts["torch"][0] > 20 and counts["torch"][1] > 40, counts
 
 
+def _momentum_inputs(c: int) -> dict[str, torch.Tensor]:
+    x = _inputs(c, seed=10 + c)
+    gen = torch.Generator().manual_seed(c)
+    w1, w2 = x["w1"], x["w2"]
+
+    def gate(lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(w1.shape[0], w1.shape[1], c, generator=gen, dtype=DT)
+
+    eta, keep = gate(0.5, 0.95), gate(0.8, 1.0)
+    return {
+        "w1": w1, "w2": w2,
+        "s1": (0.1 * torch.randn(w1.shape, generator=gen, dtype=DT)).requires_grad_(),
+        "s2": (0.1 * torch.randn(w2.shape, generator=gen, dtype=DT)).requires_grad_(),
+        "k": x["k"], "e": x["e"], "a": x["a"], "d": x["d"],
+        "theta": gate(0.01, 0.2).requires_grad_(), "eta": eta.requires_grad_(),
+        "keep": keep.requires_grad_(),
+        "end_weights": momentum_chunk_weights(eta.detach(), keep.detach()).requires_grad_(),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_fused_momentum_write_equals_closed_form_and_its_gradients(chunk: int) -> None:
+    """The Titans write's operator: values exactly, every input's gradient (momenta,
+    gates and end weights included) to 1e-12 of autograd's through the closed form."""
+    x = _momentum_inputs(chunk)
+    want, got = chunk_momentum_update(*x.values()), momentum_chunk(*x.values())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    gen = torch.Generator().manual_seed(2)
+    probes = [torch.randn(t.shape, generator=gen, dtype=DT) for t in want]
+
+    def grads(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        loss = torch.stack([(o * p).sum() for o, p in zip(outs, probes, strict=True)]).sum()
+        return torch.autograd.grad(loss, list(x.values()))
+
+    for name, g, w in zip(x, grads(got), grads(want), strict=True):
+        assert w.abs().max() > 0, name
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+    with LaunchCounter() as forward:
+        out = momentum_chunk(*x.values())
+    loss = torch.stack([o.sum() for o in out]).sum()
+    with LaunchCounter() as backward:
+        torch.autograd.grad(loss, list(x.values()))
+    assert (forward.count, backward.count) == (1, 2)  # the loss's seed, the operator
+
+
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     gen = torch.Generator().manual_seed(0)
     act = torch.randn(2, 3, 12, 8, generator=gen, dtype=DT)
@@ -142,8 +188,8 @@ def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(
     variant: str, extra: dict[str, int]
 ) -> None:
     """HOPE (its SMT writes through the operator; the frozen-read mode's masked copies
-    too) and Titans (no fused write: the closed form) under ``fused`` equal ``torch``
-    in float64."""
+    too) and Titans (its momentum write through ``hope::momentum_chunk``) under
+    ``fused`` equal ``torch`` in float64."""
     shape = {"dim": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 64, "cms_periods": [4, 16],
              "smt_chunk": 8, "smt_mem_chunk": 16, "titans_chunk": 8}  # fmt: skip
     cfg = dataclasses.replace(ModelConfig(), variant=variant, **{**shape, **extra})
@@ -196,7 +242,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 32
+    assert len(errors) == 48
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

@@ -10,13 +10,14 @@ import sys
 
 import torch
 
-from hope.memory.ops.chunk import chunk_dgd_update
-from hope.memory.ops.fused import dgd_chunk_backward_reference
+from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
 from hope.memory.ops.triton_kernels import (
     dgd_chunk_backward_triton,
     dgd_chunk_triton,
     overshoot_ratio_triton,
 )
+from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
 from hope.memory.residual_mlp import overshoot_ratio
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
@@ -45,6 +46,29 @@ def worst(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> floa
     )
 
 
+def momentum_errors(
+    c: int, i: int, m: int, o: int, dtype: torch.dtype, device: str
+) -> dict[str, float]:
+    """The Titans write's kernels against ``chunk_momentum_update`` and the reference
+    backward."""
+    w1, w2, k, e, a, d, eta, alpha, _ = inputs(c, i, m, o, dtype, device)
+    theta, keep = 0.2 * eta, alpha  # steps in (0.01, 0.11), retention in (0.6, 1)
+    decay = 0.5 + 0.9 * (eta - 0.05)  # momentum decay in (0.5, 0.95)
+    s1, s2 = 0.3 * w1.flip(-1), 0.3 * w2.flip(-1)
+    x = (w1, w2, s1, s2, k, e, a, d, theta, decay, keep, momentum_chunk_weights(decay, keep))
+    name = f"{str(dtype).removeprefix('torch.')}_C{c}_I{i}_M{m}_O{o}"
+    want = chunk_momentum_update(*x)
+    gen = torch.Generator().manual_seed(11)
+    grads = tuple(torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device, dtype)
+                  for t in want)  # fmt: skip
+    return {
+        f"momentum_forward_{name}": worst(momentum_chunk_triton(*x), want),
+        f"momentum_backward_{name}": worst(
+            momentum_chunk_backward_triton(x, grads), momentum_chunk_backward_reference(x, grads)
+        ),
+    }
+
+
 def main(device: str) -> dict[str, float]:
     errors: dict[str, float] = {}
     for dtype in (torch.float64, torch.float32):
@@ -62,6 +86,8 @@ def main(device: str) -> dict[str, float]:
                 got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
                 ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
                 errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
+        for c, i, m, o in SHAPES:
+            errors |= momentum_errors(c, i, m, o, dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -23,10 +23,12 @@ Backends:
 - ``"fused"``: the SMT's default write (preconditioned DGD, no momentum) as one
   operator with a closed-form backward, ``hope::dgd_chunk`` (``fused.py``): one
   Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
-  closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); and
-  every chunk's overshoot bound (``overshoot``) as one operator instead of ~30. The
-  other writes run the ``"torch"`` closed form; on CUDA it needs Triton (shipped
-  with CUDA builds of torch), refused when the default is set otherwise.
+  closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); the
+  Titans memory's momentum write likewise (``hope::momentum_chunk``); and every
+  chunk's overshoot bound (``overshoot``) as one operator instead of ~30. The other
+  writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
+  form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
+  default is set otherwise.
 
 The default is set once per process from the ``train.memory_backend`` /
 ``bench.memory_backend`` knob (``train.device.setup_runtime`` calls
@@ -44,8 +46,8 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 from torch import Tensor
 
-from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
-from hope.memory.ops.fused import dgd_chunk, overshoot_ratio_op
+from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.fused import dgd_chunk, momentum_chunk, overshoot_ratio_op
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -228,9 +230,15 @@ def momentum_write(
         g1, g2 = naive_inner_grads(fast.w1, fast.w2, k, target, objective, residual)
         out = naive_momentum_update(fast.w1, fast.w2, fast.m1, fast.m2, g1, g2, theta, eta, keep)
         return fast.with_weights(*out)
-    if name in ("fla", "fused"):
-        name = "torch"  # no kernel of its own for the momentum write: the closed form
+    if name == "fla":
+        name = "torch"  # no fla kernel for the momentum write: the closed form
     fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
+    if name == "fused":
+        weights = momentum_chunk_weights(eta, keep) if end_weights is None else end_weights
+        dt = fast.w1.dtype  # one dtype into the kernel, as for the DGD write
+        parts = (k, fac.e, fac.a, fac.d, theta, eta, keep, weights)
+        state = (fast.w1, fast.w2, fast.m1, fast.m2)
+        return fast.with_weights(*momentum_chunk(*state, *(t.to(dt) for t in parts)))
     chunked = _chunk_fn(name, chunk_momentum_update)(
         fast.w1, fast.w2, fast.m1, fast.m2, k, fac.e, fac.a, fac.d, theta, eta, keep, end_weights
     )

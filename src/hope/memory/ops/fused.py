@@ -1,7 +1,8 @@
 """Memory-write steps as single operators (backend ``fused``): the SMT's DGD chunk write
-with a closed-form backward (NL-arXiv eq. 88, MECHANISMS §8.1), and the overshoot
-bound every chunked write divides its steps by (``hope::overshoot_ratio``, no gradient:
-a stabiliser's input).
+with a closed-form backward (NL-arXiv eq. 88, MECHANISMS §8.1), the Titans memory's
+momentum chunk write likewise (``hope::momentum_chunk``, Ti eqs. 13-14 chunked per eqs.
+16-18), and the overshoot bound every chunked write divides its steps by
+(``hope::overshoot_ratio``, no gradient: a stabiliser's input).
 
 ``chunk_dgd_update`` (``memory/ops/chunk.py``) differentiated by autograd launches
 about 37 kernels forward and 76 backward per chunk and memory group (the C x C decay
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hope.memory.ops.chunk import chunk_dgd_update
+from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
 from hope.memory.residual_mlp import overshoot_ratio
 
 _Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -212,3 +213,133 @@ def overshoot_ratio_op(kernel: Tensor, step: Tensor) -> Tensor:
 @overshoot_ratio_op.register_fake
 def _(kernel: Tensor, step: Tensor) -> Tensor:
     return kernel.new_empty(kernel.shape[:-2])
+
+
+_MomentumGrads = tuple[Tensor, ...]
+
+
+def momentum_chunk_backward_reference(
+    inputs: tuple[Tensor, ...], grads: tuple[Tensor, Tensor, Tensor, Tensor]
+) -> _MomentumGrads:
+    """Gradients of (W1', W2', S1', S2') = ``momentum_chunk`` with respect to (w1, w2, s1,
+    s2, k, e, a, d, theta, eta, keep, end_weights), in PyTorch ops. Per matrix (W, S,
+    err, inp): W' = a_C W + c S - (w θ ⊙ err)^T inp, S' = b_C S - (b_C/b_s θ ⊙ err)^T
+    inp, with b, a the cumulative products of eta, keep and c = sum_j (a_C/a_j) b_j
+    (``chunk_momentum_update``); the decays' gradients are gathered in log b, log a."""
+    w1, w2, s1, s2, k, e, a, d, theta, eta, keep, end_weights = inputs
+    g_w1, g_w2, g_s1, g_s2 = grads
+    log_b, log_a = torch.cumsum(torch.log(eta), -1), torch.cumsum(torch.log(keep), -1)
+    b_end, a_end = log_b[..., -1:], log_a[..., -1:]
+    to_momentum_gain = torch.exp(b_end - log_b)  # b_C / b_s
+    carry_terms = torch.exp(a_end - log_a + log_b)  # (a_C / a_j) b_j
+    keep_end, decay_end = torch.exp(a_end)[..., None], torch.exp(b_end)[..., None]
+    carry = carry_terms.sum(-1)[..., None, None]
+    to_weight, to_momentum = (end_weights * theta)[..., None], (to_momentum_gain * theta)[..., None]
+    d_keep_end = (g_w1 * w1).sum((-2, -1)) + (g_w2 * w2).sum((-2, -1))
+    d_carry = (g_w1 * s1).sum((-2, -1)) + (g_w2 * s2).sum((-2, -1))
+    d_decay_end = (g_s1 * s1).sum((-2, -1)) + (g_s2 * s2).sum((-2, -1))
+    d_w1, d_w2 = keep_end * g_w1, keep_end * g_w2
+    d_s1, d_s2 = carry * g_w1 + decay_end * g_s1, carry * g_w2 + decay_end * g_s2
+    # W1: err e [C, O], inp a [C, M]; W2: err d [C, M], inp k [C, I].
+    x_w1, x_s1 = -a @ g_w1.transpose(-1, -2), -a @ g_s1.transpose(-1, -2)  # [C, O]
+    x_w2, x_s2 = -k @ g_w2.transpose(-1, -2), -k @ g_s2.transpose(-1, -2)  # [C, M]
+    d_a = -(to_weight * e) @ g_w1 - (to_momentum * e) @ g_s1
+    d_k = -(to_weight * d) @ g_w2 - (to_momentum * d) @ g_s2
+    d_e, d_d = to_weight * x_w1 + to_momentum * x_s1, to_weight * x_w2 + to_momentum * x_s2
+    d_to_weight = (e * x_w1).sum(-1) + (d * x_w2).sum(-1)
+    d_to_momentum = (e * x_s1).sum(-1) + (d * x_s2).sum(-1)
+    d_end_weights = theta * d_to_weight
+    d_theta = end_weights * d_to_weight + to_momentum_gain * d_to_momentum
+    gain_grad = to_momentum_gain * theta * d_to_momentum  # d/d(log b_C - log b_s)
+    carry_grad = d_carry.unsqueeze(-1) * carry_terms
+    d_log_b = carry_grad - gain_grad
+    d_log_a = -carry_grad
+    d_b_end = gain_grad.sum(-1) + d_decay_end * decay_end[..., 0, 0]
+    d_a_end = carry_grad.sum(-1) + d_keep_end * keep_end[..., 0, 0]
+
+    def through_cumsum(grad: Tensor, end: Tensor) -> Tensor:
+        # log x_t -> its cumulative sum (and its last entry): suffix sums.
+        return grad - torch.cumsum(grad, -1) + grad.sum(-1, keepdim=True) + end.unsqueeze(-1)
+
+    d_eta = through_cumsum(d_log_b, d_b_end) / eta
+    d_keep = through_cumsum(d_log_a, d_a_end) / keep
+    return (d_w1, d_w2, d_s1, d_s2, d_k, d_e, d_a, d_d, d_theta, d_eta, d_keep, d_end_weights)
+
+
+@torch.library.custom_op("hope::momentum_chunk", mutates_args=())
+def momentum_chunk(
+    w1: Tensor,
+    w2: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+    k: Tensor,
+    e: Tensor,
+    a: Tensor,
+    d: Tensor,
+    theta: Tensor,
+    eta: Tensor,
+    keep: Tensor,
+    end_weights: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(W1', W2', S1', S2'): the values of ``chunk_momentum_update`` given its
+    ``end_weights``."""
+    if _uses_triton(k):
+        from hope.memory.ops.triton_momentum import momentum_chunk_triton
+
+        return momentum_chunk_triton(w1, w2, s1, s2, k, e, a, d, theta, eta, keep, end_weights)
+    out = chunk_momentum_update(w1, w2, s1, s2, k, e, a, d, theta, eta, keep, end_weights)
+    return out[0], out[1], out[2], out[3]
+
+
+@momentum_chunk.register_fake
+def _(w1: Tensor, w2: Tensor, s1: Tensor, s2: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+    return tuple(torch.empty_like(t) for t in (w1, w2, s1, s2))
+
+
+@torch.library.custom_op("hope::momentum_chunk_backward", mutates_args=())
+def momentum_chunk_backward(
+    w1: Tensor,
+    w2: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+    k: Tensor,
+    e: Tensor,
+    a: Tensor,
+    d: Tensor,
+    theta: Tensor,
+    eta: Tensor,
+    keep: Tensor,
+    end_weights: Tensor,
+    g_w1: Tensor,
+    g_w2: Tensor,
+    g_s1: Tensor,
+    g_s2: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor]:  # fmt: skip
+    """The gradients of ``momentum_chunk``'s inputs (``momentum_chunk_backward_reference``)."""
+    inputs = (w1, w2, s1, s2, k, e, a, d, theta, eta, keep, end_weights)
+    grads = (g_w1, g_w2, g_s1, g_s2)
+    if _uses_triton(k):
+        from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton
+
+        return momentum_chunk_backward_triton(inputs, grads)  # type: ignore[return-value]
+    return momentum_chunk_backward_reference(inputs, grads)  # type: ignore[return-value]
+
+
+@momentum_chunk_backward.register_fake
+def _(*args: Tensor) -> tuple[Tensor, ...]:
+    return tuple(torch.empty_like(t) for t in args[:12])
+
+
+def _momentum_backward(ctx: Any, *grads: Tensor | None) -> _MomentumGrads:
+    inputs = ctx.saved_tensors
+    full = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs[:4], strict=True)]
+    return momentum_chunk_backward(*inputs, *full)  # type: ignore[no-any-return]
+
+
+def _momentum_setup(ctx: Any, inputs: tuple[Tensor, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+    ctx.set_materialize_grads(False)
+
+
+momentum_chunk.register_autograd(_momentum_backward, setup_context=_momentum_setup)
