@@ -12,8 +12,8 @@
 #   3. the bench of every variant at the pilot_chunks shape (launches per step) and
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
 #      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches;
-#      HOPE's frozen-base reads compiled at the pilot_frozen shape, and HOPE with
-#      memory_backend=fused at pilot_chunks and pilot,
+#      HOPE's frozen-base reads compiled at the pilot_frozen shape, and hope and
+#      titans_mac with memory_backend=fused at pilot_chunks and pilot,
 #   4. the projection of the pilot shape (hope.bench.projection: launches counted on
 #      this machine's CPU) beside its measured step (measured/eager = the error),
 #   5. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
@@ -118,7 +118,8 @@ bench pilot_frozen --set 'bench.shapes=[pilot_frozen]' --set 'bench.variants=[tr
   --set bench.memory_backend=compile
 bench pilot --set 'bench.shapes=[pilot]'
 bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
-bench pilot_fused --set 'bench.shapes=[pilot_chunks,pilot]' --set 'bench.variants=[transformer,hope]' \
+bench pilot_fused --set 'bench.shapes=[pilot_chunks,pilot]' \
+  --set 'bench.variants=[transformer,hope,titans_mac]' \
   --set bench.memory_backend=fused
 
 # The projection of the pilot preset (launch counts on this machine's CPU) for the
@@ -132,8 +133,8 @@ variants = ["transformer", "hope_attention", "hope", "titans_lmm", "titans_mac",
 rows = {v: projection.project_variant("pilot", v) for v in variants}
 Path(sys.argv[1], "projection.json").write_text(json.dumps(rows, indent=1))
 from hope.memory.ops.dispatch import set_default_backend
-set_default_backend("fused")  # HOPE's SMT writes as one kernel each way
-fused = {"hope": projection.project_variant("pilot", "hope")}
+set_default_backend("fused")  # the memories' writes as one kernel each way
+fused = {v: projection.project_variant("pilot", v) for v in ("hope", "titans_mac")}
 Path(sys.argv[1], "projection_fused.json").write_text(json.dumps(fused, indent=1))
 PY
 

@@ -26,9 +26,10 @@ FROZEN_READS = ("model.smt_chunk=64", "model.smt_mem_chunk=64", "model.smt_read_
 @pytest.mark.parametrize(
     ("variant", "extra", "backend"),
     [("transformer", (), "torch"), ("hope_attention", (), "torch"), ("hope", (), "torch"),
-     ("hope", FROZEN_READS, "torch"), ("titans_mac", (), "torch"), ("hope", (), "fused")],
+     ("hope", FROZEN_READS, "torch"), ("titans_mac", (), "torch"), ("hope", (), "fused"),
+     ("titans_mac", (), "fused")],
     ids=["transformer", "hope_attention", "hope", "hope-frozen_reads", "titans_mac",
-         "hope-fused"],
+         "hope-fused", "titans_mac-fused"],
 )  # fmt: skip
 def test_training_step_is_sync_free_on_cuda(
     variant: str, extra: tuple[str, ...], backend: str
