@@ -12,9 +12,12 @@ import torch
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
+from hope.memory.ops.normalize import l2_normalize_backward_reference
 from hope.memory.ops.triton_kernels import (
     dgd_chunk_backward_triton,
     dgd_chunk_triton,
+    l2_normalize_backward_triton,
+    l2_normalize_triton,
     overshoot_ratio_triton,
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
@@ -69,6 +72,25 @@ def momentum_errors(
     }
 
 
+def normalize_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """Rows of 37 (several blocks, a partial one), one zero and one tiny row."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(37, width, generator=gen, dtype=torch.float64)
+    x[3], x[5] = 0.0, 1e-14 * x[5]
+    grad = torch.randn(37, width, generator=gen, dtype=torch.float64)
+    x, grad = x.to(device, dtype), grad.to(device, dtype)
+    name = f"{str(dtype).removeprefix('torch.')}_D{width}"
+    ref = torch.nn.functional.normalize(x, dim=-1)
+    live = slice(6, None)  # the clamped rows' gradients are ~1e12: compare them apart
+    back, back_ref = l2_normalize_backward_triton(x, grad), l2_normalize_backward_reference(x, grad)
+    return {
+        f"normalize_forward_{name}": worst((l2_normalize_triton(x),), (ref,)),
+        f"normalize_backward_{name}": max(
+            worst((back[live],), (back_ref[live],)), worst((back[:6],), (back_ref[:6],))
+        ),
+    }
+
+
 def main(device: str) -> dict[str, float]:
     errors: dict[str, float] = {}
     for dtype in (torch.float64, torch.float32):
@@ -88,6 +110,8 @@ def main(device: str) -> dict[str, float]:
                 errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
         for c, i, m, o in SHAPES:
             errors |= momentum_errors(c, i, m, o, dtype, device)
+        for width in (12, 64, 1):
+            errors |= normalize_errors(width, dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

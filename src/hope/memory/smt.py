@@ -42,7 +42,7 @@ from torch.nn import functional as F
 from hope.memory.chunk_loop import LoopPolicy, chunk_sizes, run_chunks
 from hope.memory.config import SMTConfig
 from hope.memory.conv import CausalDepthwiseConv
-from hope.memory.ops.dispatch import dgd_write, resolve_backend
+from hope.memory.ops.dispatch import dgd_write, resolve_backend, unit_rows
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -180,6 +180,7 @@ class SelfModifyingTitans(nn.Module):
         xc: Tensor,
         plan: tuple[MemoryGroup, ...] | None = None,
         writes_need_grad: bool = True,
+        backend: str | None = None,
     ) -> Generated:
         """Eq. 83 with the chunk-start states. ``stacks`` maps each group's key to
         its stacked state; the default (per-memory) plan takes the memories dict.
@@ -191,21 +192,21 @@ class SelfModifyingTitans(nn.Module):
             for group in plan or self._plan("naive"):
                 if group.generators:
                     raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
-            k = F.normalize(raw["k"], dim=-1)
+            k = unit_rows(raw["k"], backend)
             # v is only ever the input of the self-generated targets v_hat = M(v) (eq.
             # 84). Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's
             # gain raises v and with it every target (targets 5 -> 228 -> 3e8 within
             # one 128-token context after ~100 outer steps of the tiny preset).
             # Normalising v like k (a deviation; docs/FAITHFULNESS.md) keeps the
             # targets' inputs on the unit sphere.
-            v = F.normalize(raw["v"], dim=-1)
+            v = unit_rows(raw["v"], backend)
             eta = self.cfg.eta_scale * F.softplus(raw["eta"].squeeze(-1))
             # The decay in the fast state's dtype whatever the parameters' (FSDP may
             # gather the block in bf16): log(alpha) and the C x C solve need it.
             work = next(iter(stacks.values())).w1.dtype
             alpha = torch.sigmoid(raw["alpha"].squeeze(-1).to(work) + self.alpha_bias[:, None])
         query = raw["q"] if self.w_q is None else xc @ self.w_q
-        return Generated(k, v, F.normalize(query, dim=-1), eta, alpha)
+        return Generated(k, v, unit_rows(query, backend), eta, alpha)
 
     def _read(self, fast: FastWeights, group: MemoryGroup, q: Tensor) -> Tensor:
         """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
@@ -355,7 +356,7 @@ class SelfModifyingTitans(nn.Module):
         )
         stacks = carry.stacks
         # Frozen reads take k, v, eta, alpha through M_mem's in-segment states.
-        fresh = loop.generate(self, stacks, xc, plan, keep or self.cfg.frozen)
+        fresh = loop.generate(self, stacks, xc, plan, keep or self.cfg.frozen, loop.backend)
         held = carry.partial
         gen = fresh if held is None else join_generated([held, fresh])
         at = (gen.length - fresh.length, start, carry.live_from)  # for frozen reads

@@ -24,8 +24,9 @@ Backends:
   operator with a closed-form backward, ``hope::dgd_chunk`` (``fused.py``): one
   Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
   closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); the
-  Titans memory's momentum write likewise (``hope::momentum_chunk``); and every
-  chunk's overshoot bound (``overshoot``) as one operator instead of ~30. The other
+  Titans memory's momentum write likewise (``hope::momentum_chunk``); every chunk's
+  overshoot bound (``overshoot``) as one operator instead of ~30, and the SMT's
+  normalised keys, values and queries (``unit_rows``, ``normalize.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
@@ -45,10 +46,12 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk, overshoot_ratio_op
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
+from hope.memory.ops.normalize import l2_normalize
 from hope.memory.residual_mlp import (
     FastWeights,
     GradFactors,
@@ -134,6 +137,11 @@ def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) 
         output_final_state=True,
     )
     return final.transpose(-1, -2).to(w2.dtype)
+
+
+def unit_rows(x: Tensor, backend: str | None = None) -> Tensor:
+    """x / ||x|| over the last axis (``F.normalize``); one operator under ``fused``."""
+    return l2_normalize(x) if resolve_backend(backend) == "fused" else F.normalize(x, dim=-1)
 
 
 def overshoot(kernel: Tensor, step: Tensor, backend: str | None = None) -> Tensor:

@@ -16,6 +16,8 @@ The backward recomputes the C x C terms and Z from the inputs (the operator save
 nothing else), accumulates dZ, dE and the decay sums over the h_m blocks, then
 takes the C x C part (``dgd_chunk_backward_reference`` written per program).
 
+``hope::l2_normalize`` and its backward (``normalize.py``): blocks of rows.
+
 ``hope::overshoot_ratio``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
 the Collatz-Wielandt bound after four power iterations (``residual_mlp.perron_bound``).
 
@@ -200,6 +202,45 @@ def _overshoot(kernel_ptr, step_ptr, rho_ptr, C, CP: tl.constexpr, ITERATIONS: t
         x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
     ratio = tl.where(live, tl.sum(matrix * x[None, :], 1) / x, 0.0)
     tl.store(rho_ptr + bh, 2.0 * tl.max(ratio, 0))
+
+
+@triton.jit
+def _normalize(x_ptr, g_ptr, out_ptr, R, D, DP: tl.constexpr, ROWS: tl.constexpr,
+               EPS: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, DP)
+    x = _tile(x_ptr, r, c, R, D, D)
+    norm = tl.sqrt(tl.sum(x * x, 1))
+    scale = tl.maximum(norm, EPS)
+    y = x / scale[:, None]
+    if BACKWARD:  # dx = (g - y <y, g>) / scale, the projection only where not clamped
+        g = _tile(g_ptr, r, c, R, D, D)
+        along = tl.where(norm >= EPS, tl.sum(y * g, 1), 0.0)
+        y = (g - y * along[:, None]) / scale[:, None]
+    _put(out_ptr, y, r, c, R, D, D)
+
+
+def _normalize_launch(x: Tensor, grad: Tensor | None) -> Tensor:
+    d = x.shape[-1]
+    rows = x.reshape(-1, d).contiguous()
+    g = rows if grad is None else grad.reshape(-1, d).contiguous()
+    out = torch.empty_like(rows)
+    block = 16
+    _normalize[(triton.cdiv(rows.shape[0], block),)](
+        rows, g, out, rows.shape[0], d, DP=triton.next_power_of_2(d), ROWS=block,
+        EPS=1e-12, BACKWARD=grad is not None,
+    )  # fmt: skip
+    return out.view_as(x)
+
+
+def l2_normalize_triton(x: Tensor) -> Tensor:
+    """``hope::l2_normalize`` in one kernel launch."""
+    return _normalize_launch(x, None)
+
+
+def l2_normalize_backward_triton(x: Tensor, grad: Tensor) -> Tensor:
+    """``hope::l2_normalize_backward`` in one kernel launch."""
+    return _normalize_launch(x, grad)
 
 
 def overshoot_ratio_triton(kernel: Tensor, step: Tensor, iterations: int = 4) -> Tensor:
