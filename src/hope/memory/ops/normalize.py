@@ -1,7 +1,7 @@
 """L2 normalisation over the last axis as one operator (backend ``fused``).
 
 The SMT normalises its generated keys, values and queries in every chunk (NL-arXiv eq.
-83 and the v deviation of docs/FAITHFULNESS.md): ``F.normalize`` launches three kernels
+83; v as k, ``SelfModifyingTitans._generate``): ``F.normalize`` launches three kernels
 forward and about fifteen in backward (norm, clamp, broadcast, division, and their
 gradients), 18% of a fused ``hope`` step's launches at the pilot chunking.
 ``hope::l2_normalize`` is one kernel each way on CUDA (``triton_kernels.py``) and
