@@ -24,10 +24,11 @@ from torch.nn import functional as F
 import hope
 from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
+from hope.layers import gelu_prime
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
-from hope.memory.ops.normalize import l2_normalize
+from hope.memory.ops.pointwise import gelu_slope, l2_normalize
 from hope.memory.residual_mlp import FastWeights
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
@@ -168,6 +169,20 @@ def test_fused_normalize_equals_f_normalize_with_gradients_and_is_one_launch() -
     assert (forward.count, backward.count) == (1, 1)
 
 
+def test_fused_gelu_slope_equals_gelu_prime_with_gradients_and_is_one_launch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    z = (3 * torch.randn(5, 40, generator=gen, dtype=DT)).requires_grad_()
+    probe = torch.randn(z.shape, generator=gen, dtype=DT)
+    with LaunchCounter() as forward:
+        got = gelu_slope(z)
+    want = gelu_prime(z)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with LaunchCounter() as backward:
+        (grad,) = torch.autograd.grad(got, z, probe)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, z, probe)[0], rtol=0, atol=0)
+    assert (forward.count, backward.count) == (1, 1)
+
+
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     gen = torch.Generator().manual_seed(0)
     act = torch.randn(2, 3, 12, 8, generator=gen, dtype=DT)
@@ -262,7 +277,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 60
+    assert len(errors) == 64
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

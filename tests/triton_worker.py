@@ -10,12 +10,14 @@ import sys
 
 import torch
 
+from hope.layers import gelu_prime
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
-from hope.memory.ops.normalize import l2_normalize_backward_reference
+from hope.memory.ops.pointwise import gelu_slope_backward, l2_normalize_backward_reference
 from hope.memory.ops.triton_kernels import (
     dgd_chunk_backward_triton,
     dgd_chunk_triton,
+    gelu_slope_triton,
     l2_normalize_backward_triton,
     l2_normalize_triton,
     overshoot_ratio_triton,
@@ -112,6 +114,14 @@ def main(device: str) -> dict[str, float]:
             errors |= momentum_errors(c, i, m, o, dtype, device)
         for width in (12, 64, 1):
             errors |= normalize_errors(width, dtype, device)
+        gen = torch.Generator().manual_seed(5)
+        z = (3 * torch.randn(3, 1500, generator=gen, dtype=torch.float64)).to(device, dtype)
+        grad = torch.randn(3, 1500, generator=gen, dtype=torch.float64).to(device, dtype)
+        name = str(dtype).removeprefix("torch.")
+        errors[f"gelu_slope_{name}"] = worst((gelu_slope_triton(z, None),), (gelu_prime(z),))
+        errors[f"gelu_slope_backward_{name}"] = worst(
+            (gelu_slope_triton(z, grad),), (gelu_slope_backward(z.cpu(), grad.cpu()).to(device),)
+        )
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.layers import gelu_prime
+from hope.memory.ops.pointwise import gelu_slope
 
 Objective = Literal["l2", "dot"]
 # Residual-ness of a memory: a bool, or a [1, G*H, 1, 1] 0/1 scale when memories with
@@ -276,6 +277,7 @@ def chunk_pass(
     objective: Objective,
     residual: Residual,
     target: Tensor | None = None,
+    fused: bool = False,
 ) -> ChunkPass:
     """``mlp_apply`` on v and q, ``grad_factors`` and ``curvature_bound`` at k, at once.
 
@@ -283,7 +285,8 @@ def chunk_pass(
     v_hat), or ``target`` when given with v None (the Titans memory's values, Ti eq.
     12); it is a constant of the inner loss but stays in the outer graph (M_v's only
     path to its meta-gradient). Queries may be fewer than keys (a chunk completing one
-    an earlier call left pending reads only this call's tokens)."""
+    an earlier call left pending reads only this call's tokens). ``fused``: gelu′ as
+    one operator (``ops.pointwise.gelu_slope``; the memory backend ``fused``)."""
     if (v is None) == (target is None):
         raise ValueError("chunk_pass: give exactly one of the values v or the target")
     parts = [t for t in (v, k, q) if t is not None]
@@ -298,7 +301,7 @@ def chunk_pass(
     pred, read = out[at_k], (out[at_k + 1] if q is not None else None)
     if target is None:
         target = out[0]
-    hid = _Hidden(pre_k, act_k, gelu_prime(pre_k))
+    hid = _Hidden(pre_k, act_k, gelu_slope(pre_k) if fused else gelu_prime(pre_k))
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
     curvature, back_sq = _curvature(w1, k, hid)
     coupling = _kernel(hid.act.detach(), back_sq, k.detach())  # a stabiliser's input

@@ -233,7 +233,7 @@ class SelfModifyingTitans(nn.Module):
         # C x C system.
         step = chunk_pass(
             fast.w1, fast.w2, v, k, repeat_heads(gen.q, n) if read else None,
-            self.cfg.objective, residual,
+            self.cfg.objective, residual, fused=backend == "fused",
         )  # fmt: skip
         new = dgd_write(
             fast, k, step.target, bounded_eta(eta, step.coupling, backend), alpha,

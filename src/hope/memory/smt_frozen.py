@@ -200,7 +200,7 @@ def frozen_segment(
     """
     heads = gen.k.shape[1]
     k, v = repeat_heads(gen.k, members), repeat_heads(gen.v, members)
-    step = chunk_pass(fast.w1, fast.w2, v, k, None, objective, residual)
+    step = chunk_pass(fast.w1, fast.w2, v, k, None, objective, residual, fused=backend == "fused")
     fac = step.factors
     stack = _WriteInputs(
         [fast.w1, fast.w2, fast.m1, fast.m2], k, step.target, [fac.e, fac.a, fac.d, fac.pre],

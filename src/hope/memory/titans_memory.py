@@ -286,7 +286,8 @@ class NeuralMemory(nn.Module):
             return self._deep_chunk_step(fast, q, k, v, theta, eta, keep, backend)
         # One MLP pass over [k | q]: the reads M(q), and at the keys the inner-gradient
         # factors, the curvature and the chunk's kernel bound (Ti eq. 12's target v).
-        step = chunk_pass(fast.w1, fast.w2, None, k, q, "l2", True, target=v)
+        fused = resolve_backend(backend) == "fused"
+        step = chunk_pass(fast.w1, fast.w2, None, k, q, "l2", True, target=v, fused=fused)
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
         # w_s once: the cap reads it detached, the write differentiates through it.

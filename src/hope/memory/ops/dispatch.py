@@ -25,8 +25,9 @@ Backends:
   Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
   closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); the
   Titans memory's momentum write likewise (``hope::momentum_chunk``); every chunk's
-  overshoot bound (``overshoot``) as one operator instead of ~30, and the SMT's
-  normalised keys, values and queries (``unit_rows``, ``normalize.py``). The other
+  overshoot bound (``overshoot``) as one operator instead of ~30, the SMT's
+  normalised keys, values and queries (``unit_rows``) and the memories' gelu′
+  (``chunk_pass(fused=True)``; both in ``pointwise.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
@@ -51,7 +52,7 @@ from torch.nn import functional as F
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk, overshoot_ratio_op
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
-from hope.memory.ops.normalize import l2_normalize
+from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.residual_mlp import (
     FastWeights,
     GradFactors,
