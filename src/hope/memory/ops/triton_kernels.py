@@ -36,14 +36,16 @@ import triton.language as tl
 from torch import Tensor
 
 
+# A [rows, cols] tile of a row-major matrix with n_rows x n_cols live entries (zeros
+# outside), and its masked store; shared by every kernel of the fused backend.
 @triton.jit
-def _tile(ptr, rows, cols, n_rows, n_cols, stride):
+def load_tile(ptr, rows, cols, n_rows, n_cols, stride):
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _put(ptr, value, rows, cols, n_rows, n_cols, stride):
+def store_tile(ptr, value, rows, cols, n_rows, n_cols, stride):
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     tl.store(ptr + rows[:, None] * stride + cols[None, :], value, mask=mask)
 
@@ -62,7 +64,7 @@ def _chunk_terms(k_ptr, eta_ptr, alpha_ptr, C, I, CP: tl.constexpr, IP: tl.const
     end = tl.sum(log_keep, 0)  # log γ_C (padded tokens add 0)
     strict = t[:, None] > t[None, :]
     ratio = tl.where(strict, tl.exp(tl.where(strict, prev[:, None] - cum[None, :], 0.0)), 0.0)
-    k = _tile(k_ptr, t, i, C, I, I)
+    k = load_tile(k_ptr, t, i, C, I, I)
     gram = tl.dot(k, tl.trans(k), input_precision=DOT)
     coupling = ratio * gram
     nil = eta[:, None] * coupling
@@ -95,21 +97,21 @@ def _dgd_chunk_fwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
     t, i, eta, keys = terms[0], terms[1], terms[3], terms[11]
     gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
     o = tl.arange(0, OP)
-    scaled_e = (-eta * end_over_s)[:, None] * _tile(e_ptr, t, o, C, O, O)  # c1 ⊙ E
+    scaled_e = (-eta * end_over_s)[:, None] * load_tile(e_ptr, t, o, C, O, O)  # c1 ⊙ E
     hom_coef = -eta * gamma_prev
     for m0 in range(0, M, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        u = -eta[:, None] * _tile(d_ptr, t, m, C, M, M)
-        rhs = u + hom_coef[:, None] * _tile(w2k_ptr, t, m, C, M, M)
+        u = -eta[:, None] * load_tile(d_ptr, t, m, C, M, M)
+        rhs = u + hom_coef[:, None] * load_tile(w2k_ptr, t, m, C, M, M)
         inc2 = tl.dot(tl.trans(u), keys, input_precision=DOT)
         change2 = tl.dot(tl.trans(rhs), keys, input_precision=DOT)
-        w2 = _tile(w2_ptr + w2_off, m, i, M, I, I)
-        _put(w2_out + w2_off, change2 + gamma_end * w2, m, i, M, I, I)
-        _put(inc2_out + w2_off, inc2, m, i, M, I, I)
-        inc1 = tl.dot(tl.trans(scaled_e), _tile(a_ptr, t, m, C, M, M), input_precision=DOT)
-        w1 = _tile(w1_ptr + w1_off, o, m, O, M, M)
-        _put(w1_out + w1_off, inc1 + gamma_end * w1, o, m, O, M, M)
-        _put(inc1_out + w1_off, inc1, o, m, O, M, M)
+        w2 = load_tile(w2_ptr + w2_off, m, i, M, I, I)
+        store_tile(w2_out + w2_off, change2 + gamma_end * w2, m, i, M, I, I)
+        store_tile(inc2_out + w2_off, inc2, m, i, M, I, I)
+        inc1 = tl.dot(tl.trans(scaled_e), load_tile(a_ptr, t, m, C, M, M), input_precision=DOT)
+        w1 = load_tile(w1_ptr + w1_off, o, m, O, M, M)
+        store_tile(w1_out + w1_off, inc1 + gamma_end * w1, o, m, O, M, M)
+        store_tile(inc1_out + w1_off, inc1, o, m, O, M, M)
 
 
 @triton.jit
@@ -131,7 +133,7 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
                                                terms[10], terms[11])  # fmt: skip
     gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
     o = tl.arange(0, OP)
-    e = _tile(e_ptr + bh * C * O, t, o, C, O, O)
+    e = load_tile(e_ptr + bh * C * O, t, o, C, O, O)
     c1 = -eta * end_over_s
     hom_coef = -eta * gamma_prev
     a_g = tl.zeros([CP, OP], dtype=k.dtype)
@@ -141,35 +143,35 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
     d_gain = tl.zeros([BLOCK_M], dtype=k.dtype)
     for m0 in range(0, M, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        d = _tile(d_ptr + cm_off, t, m, C, M, M)
-        w2k = _tile(w2k_ptr + cm_off, t, m, C, M, M)
+        d = load_tile(d_ptr + cm_off, t, m, C, M, M)
+        w2k = load_tile(w2k_ptr + cm_off, t, m, C, M, M)
         u = -eta[:, None] * d
         rhs = u + hom_coef[:, None] * w2k
-        gw1 = _tile(gw1_ptr + w1_off, o, m, O, M, M)
-        gw2 = _tile(gw2_ptr + w2_off, m, i, M, I, I)
-        w1 = _tile(w1_ptr + w1_off, o, m, O, M, M)
-        w2 = _tile(w2_ptr + w2_off, m, i, M, I, I)
+        gw1 = load_tile(gw1_ptr + w1_off, o, m, O, M, M)
+        gw2 = load_tile(gw2_ptr + w2_off, m, i, M, I, I)
+        w1 = load_tile(w1_ptr + w1_off, o, m, O, M, M)
+        w2 = load_tile(w2_ptr + w2_off, m, i, M, I, I)
         d_gain += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
-        _put(dw1_ptr + w1_off, gamma_end * gw1, o, m, O, M, M)
-        _put(dw2_ptr + w2_off, gamma_end * gw2, m, i, M, I, I)
+        store_tile(dw1_ptr + w1_off, gamma_end * gw1, o, m, O, M, M)
+        store_tile(dw2_ptr + w2_off, gamma_end * gw2, m, i, M, I, I)
         g1 = gw1
         if HAS_GI1:
-            g1 += _tile(gi1_ptr + w1_off, o, m, O, M, M)
-        a_g += tl.dot(_tile(a_ptr + cm_off, t, m, C, M, M), tl.trans(g1), input_precision=DOT)
+            g1 += load_tile(gi1_ptr + w1_off, o, m, O, M, M)
+        a_g += tl.dot(load_tile(a_ptr + cm_off, t, m, C, M, M), tl.trans(g1), input_precision=DOT)
         d_a = c1[:, None] * tl.dot(e, g1, input_precision=DOT)
-        _put(da_ptr + cm_off, d_a, t, m, C, M, M)
+        store_tile(da_ptr + cm_off, d_a, t, m, C, M, M)
         d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
         d_u = d_rhs
         d_keys += tl.dot(rhs, gw2, input_precision=DOT)
         if HAS_GI2:
-            gi2 = _tile(gi2_ptr + w2_off, m, i, M, I, I)
+            gi2 = load_tile(gi2_ptr + w2_off, m, i, M, I, I)
             d_u += tl.dot(keys, tl.trans(gi2), input_precision=DOT)
             d_keys += tl.dot(u, gi2, input_precision=DOT)
-        _put(dd_ptr + cm_off, -eta[:, None] * d_u, t, m, C, M, M)
-        _put(dw2k_ptr + cm_off, hom_coef[:, None] * d_rhs, t, m, C, M, M)
+        store_tile(dd_ptr + cm_off, -eta[:, None] * d_u, t, m, C, M, M)
+        store_tile(dw2k_ptr + cm_off, hom_coef[:, None] * d_rhs, t, m, C, M, M)
         d_hom += tl.sum(w2k * d_rhs, 1)
         d_eta -= tl.sum(d * d_u, 1)
-    _put(de_ptr + bh * C * O, c1[:, None] * a_g, t, o, C, O, O)
+    store_tile(de_ptr + bh * C * O, c1[:, None] * a_g, t, o, C, O, O)
     d_c1 = tl.sum(e * a_g, 1)
     y = tl.dot(inverse, d_keys, input_precision=DOT)
     d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
@@ -178,7 +180,7 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
     d_coupling = eta[:, None] * d_lower
     d_gram = d_coupling * ratio
     d_k = end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
-    _put(dk_ptr + bh * C * I, d_k, t, i, C, I, I)
+    store_tile(dk_ptr + bh * C * I, d_k, t, i, C, I, I)
     q = d_coupling * gram * ratio
     d_prev = tl.sum(q, 1) - eta * d_hom * gamma_prev
     scaled_end = d_end_over_s * end_over_s
@@ -196,7 +198,7 @@ def _overshoot(kernel_ptr, step_ptr, rho_ptr, C, CP: tl.constexpr, ITERATIONS: t
     t = tl.arange(0, CP)
     live = t < C
     root = tl.sqrt(tl.maximum(tl.load(step_ptr + bh * C + t, mask=live, other=0.0), 0.0))
-    matrix = root[:, None] * _tile(kernel_ptr + bh * C * C, t, t, C, C, C) * root[None, :]
+    matrix = root[:, None] * load_tile(kernel_ptr + bh * C * C, t, t, C, C, C) * root[None, :]
     x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
     for _ in tl.static_range(ITERATIONS):
         x = tl.sum(matrix * x[None, :], 1)
@@ -210,15 +212,15 @@ def _normalize(x_ptr, g_ptr, out_ptr, R, D, DP: tl.constexpr, ROWS: tl.constexpr
                EPS: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, DP)
-    x = _tile(x_ptr, r, c, R, D, D)
+    x = load_tile(x_ptr, r, c, R, D, D)
     norm = tl.sqrt(tl.sum(x * x, 1))
     scale = tl.maximum(norm, EPS)
     y = x / scale[:, None]
     if BACKWARD:  # dx = (g - y <y, g>) / scale, the projection only where not clamped
-        g = _tile(g_ptr, r, c, R, D, D)
+        g = load_tile(g_ptr, r, c, R, D, D)
         along = tl.where(norm >= EPS, tl.sum(y * g, 1), 0.0)
         y = (g - y * along[:, None]) / scale[:, None]
-    _put(out_ptr, y, r, c, R, D, D)
+    store_tile(out_ptr, y, r, c, R, D, D)
 
 
 def _normalize_launch(x: Tensor, grad: Tensor | None) -> Tensor:
@@ -281,12 +283,14 @@ def overshoot_ratio_triton(kernel: Tensor, step: Tensor, iterations: int = 4) ->
     return rho.view(kernel.shape[:-2])
 
 
-def _flat(t: Tensor) -> Tensor:
+def flat_heads(t: Tensor) -> Tensor:
+    """[B, H, r, c] -> contiguous [B*H, r, c] (one program per leading index)."""
     return t.reshape(-1, *t.shape[-2:]).contiguous() if t.dim() > 2 else t.contiguous()
 
 
-def _sizes(w1: Tensor, k: Tensor) -> dict[str, Any]:
-    """Runtime sizes and the padded compile-time ones."""
+def launch_sizes(w1: Tensor, k: Tensor) -> dict[str, Any]:
+    """Runtime sizes of a chunk write (k [.., C, I], w1 [.., O, M]) and the padded
+    compile-time ones."""
     c, i = k.shape[-2:]
     o, m = w1.shape[-2:]
 
@@ -306,10 +310,10 @@ def dgd_chunk_triton(
     eta: Tensor, alpha: Tensor, w2k: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``hope::dgd_chunk`` in one kernel launch (shapes as ``chunk_dgd_update``)."""
-    ins = [_flat(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
+    ins = [flat_heads(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
                               alpha.reshape(-1, alpha.shape[-1]), w2k)]  # fmt: skip
     outs = [torch.empty_like(x) for x in (ins[0], ins[1], ins[0], ins[1])]
-    _dgd_chunk_fwd[(ins[2].shape[0],)](*ins, *outs, **_sizes(w1, k))
+    _dgd_chunk_fwd[(ins[2].shape[0],)](*ins, *outs, **launch_sizes(w1, k))
     return outs[0].view_as(w1), outs[1].view_as(w2), outs[2].view_as(w1), outs[3].view_as(w2)
 
 
@@ -322,14 +326,14 @@ def dgd_chunk_backward_triton(
 ) -> tuple[Tensor, ...]:
     """``hope::dgd_chunk_backward`` in one kernel launch."""
     w1, w2, k, e, a, d, eta, alpha, w2k = inputs
-    ins = [_flat(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
+    ins = [flat_heads(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
                               alpha.reshape(-1, alpha.shape[-1]), w2k)]  # fmt: skip
-    gw1, gw2 = _flat(g_w1), _flat(g_w2)
-    gi1 = gw1 if g_inc1 is None else _flat(g_inc1)
-    gi2 = gw2 if g_inc2 is None else _flat(g_inc2)
+    gw1, gw2 = flat_heads(g_w1), flat_heads(g_w2)
+    gi1 = gw1 if g_inc1 is None else flat_heads(g_inc1)
+    gi2 = gw2 if g_inc2 is None else flat_heads(g_inc2)
     outs = [torch.empty_like(x) for x in ins]
     _dgd_chunk_bwd[(ins[2].shape[0],)](
         *ins, gw1, gw2, gi1, gi2, *outs,
-        HAS_GI1=g_inc1 is not None, HAS_GI2=g_inc2 is not None, **_sizes(w1, k),
+        HAS_GI1=g_inc1 is not None, HAS_GI2=g_inc2 is not None, **launch_sizes(w1, k),
     )  # fmt: skip
     return tuple(out.view_as(x) for out, x in zip(outs, inputs, strict=True))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import _flat, _put, _sizes, _tile
+from hope.memory.ops.triton_kernels import flat_heads, launch_sizes, load_tile, store_tile
 
 
 @triton.jit
@@ -53,25 +53,25 @@ def _momentum_fwd(w1_ptr, w2_ptr, s1_ptr, s2_ptr, k_ptr, e_ptr, a_ptr, d_ptr,
     carry = tl.sum(carry_terms, 0)
     to_w, to_m = end_weights * theta, gain * theta
     i, o = tl.arange(0, IP), tl.arange(0, OP)
-    e = _tile(e_ptr + bh * C * O, t, o, C, O, O)
-    k = _tile(k_ptr + bh * C * I, t, i, C, I, I)
+    e = load_tile(e_ptr + bh * C * O, t, o, C, O, O)
+    k = load_tile(k_ptr + bh * C * I, t, i, C, I, I)
     w1_off, w2_off, cm_off = bh * O * M, bh * M * I, bh * C * M
     for m0 in range(0, M, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        a = _tile(a_ptr + cm_off, t, m, C, M, M)
-        w1 = _tile(w1_ptr + w1_off, o, m, O, M, M)
-        s1 = _tile(s1_ptr + w1_off, o, m, O, M, M)
+        a = load_tile(a_ptr + cm_off, t, m, C, M, M)
+        w1 = load_tile(w1_ptr + w1_off, o, m, O, M, M)
+        s1 = load_tile(s1_ptr + w1_off, o, m, O, M, M)
         to_w1 = tl.dot(tl.trans(to_w[:, None] * e), a, input_precision=DOT)
         to_s1 = tl.dot(tl.trans(to_m[:, None] * e), a, input_precision=DOT)
-        _put(w1_out + w1_off, keep_end * w1 + carry * s1 - to_w1, o, m, O, M, M)
-        _put(s1_out + w1_off, decay_end * s1 - to_s1, o, m, O, M, M)
-        d = _tile(d_ptr + cm_off, t, m, C, M, M)
-        w2 = _tile(w2_ptr + w2_off, m, i, M, I, I)
-        s2 = _tile(s2_ptr + w2_off, m, i, M, I, I)
+        store_tile(w1_out + w1_off, keep_end * w1 + carry * s1 - to_w1, o, m, O, M, M)
+        store_tile(s1_out + w1_off, decay_end * s1 - to_s1, o, m, O, M, M)
+        d = load_tile(d_ptr + cm_off, t, m, C, M, M)
+        w2 = load_tile(w2_ptr + w2_off, m, i, M, I, I)
+        s2 = load_tile(s2_ptr + w2_off, m, i, M, I, I)
         to_w2 = tl.dot(tl.trans(to_w[:, None] * d), k, input_precision=DOT)
         to_s2 = tl.dot(tl.trans(to_m[:, None] * d), k, input_precision=DOT)
-        _put(w2_out + w2_off, keep_end * w2 + carry * s2 - to_w2, m, i, M, I, I)
-        _put(s2_out + w2_off, decay_end * s2 - to_s2, m, i, M, I, I)
+        store_tile(w2_out + w2_off, keep_end * w2 + carry * s2 - to_w2, m, i, M, I, I)
+        store_tile(s2_out + w2_off, decay_end * s2 - to_s2, m, i, M, I, I)
 
 
 @triton.jit
@@ -90,8 +90,8 @@ def _momentum_bwd(w1_ptr, w2_ptr, s1_ptr, s2_ptr, k_ptr, e_ptr, a_ptr, d_ptr,
     carry = tl.sum(carry_terms, 0)
     to_w, to_m = end_weights * theta, gain * theta
     i, o = tl.arange(0, IP), tl.arange(0, OP)
-    e = _tile(e_ptr + bh * C * O, t, o, C, O, O)
-    k = _tile(k_ptr + bh * C * I, t, i, C, I, I)
+    e = load_tile(e_ptr + bh * C * O, t, o, C, O, O)
+    k = load_tile(k_ptr + bh * C * I, t, i, C, I, I)
     w1_off, w2_off, cm_off = bh * O * M, bh * M * I, bh * C * M
     x_w1 = tl.zeros([CP, OP], dtype=k.dtype)
     x_s1 = tl.zeros([CP, OP], dtype=k.dtype)
@@ -103,37 +103,37 @@ def _momentum_bwd(w1_ptr, w2_ptr, s1_ptr, s2_ptr, k_ptr, e_ptr, a_ptr, d_ptr,
     d_decay_end = tl.zeros([BLOCK_M], dtype=k.dtype)
     for m0 in range(0, M, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
-        gw1 = _tile(gw1_ptr + w1_off, o, m, O, M, M)
-        gs1 = _tile(gs1_ptr + w1_off, o, m, O, M, M)
-        w1 = _tile(w1_ptr + w1_off, o, m, O, M, M)
-        s1 = _tile(s1_ptr + w1_off, o, m, O, M, M)
-        gw2 = _tile(gw2_ptr + w2_off, m, i, M, I, I)
-        gs2 = _tile(gs2_ptr + w2_off, m, i, M, I, I)
-        w2 = _tile(w2_ptr + w2_off, m, i, M, I, I)
-        s2 = _tile(s2_ptr + w2_off, m, i, M, I, I)
+        gw1 = load_tile(gw1_ptr + w1_off, o, m, O, M, M)
+        gs1 = load_tile(gs1_ptr + w1_off, o, m, O, M, M)
+        w1 = load_tile(w1_ptr + w1_off, o, m, O, M, M)
+        s1 = load_tile(s1_ptr + w1_off, o, m, O, M, M)
+        gw2 = load_tile(gw2_ptr + w2_off, m, i, M, I, I)
+        gs2 = load_tile(gs2_ptr + w2_off, m, i, M, I, I)
+        w2 = load_tile(w2_ptr + w2_off, m, i, M, I, I)
+        s2 = load_tile(s2_ptr + w2_off, m, i, M, I, I)
         d_keep_end += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
         d_carry += tl.sum(gw1 * s1, 0) + tl.sum(gw2 * s2, 1)
         d_decay_end += tl.sum(gs1 * s1, 0) + tl.sum(gs2 * s2, 1)
-        _put(dw1_ptr + w1_off, keep_end * gw1, o, m, O, M, M)
-        _put(ds1_ptr + w1_off, carry * gw1 + decay_end * gs1, o, m, O, M, M)
-        _put(dw2_ptr + w2_off, keep_end * gw2, m, i, M, I, I)
-        _put(ds2_ptr + w2_off, carry * gw2 + decay_end * gs2, m, i, M, I, I)
-        a = _tile(a_ptr + cm_off, t, m, C, M, M)
+        store_tile(dw1_ptr + w1_off, keep_end * gw1, o, m, O, M, M)
+        store_tile(ds1_ptr + w1_off, carry * gw1 + decay_end * gs1, o, m, O, M, M)
+        store_tile(dw2_ptr + w2_off, keep_end * gw2, m, i, M, I, I)
+        store_tile(ds2_ptr + w2_off, carry * gw2 + decay_end * gs2, m, i, M, I, I)
+        a = load_tile(a_ptr + cm_off, t, m, C, M, M)
         x_w1 -= tl.dot(a, tl.trans(gw1), input_precision=DOT)
         x_s1 -= tl.dot(a, tl.trans(gs1), input_precision=DOT)
         d_a = -tl.dot(to_w[:, None] * e, gw1, input_precision=DOT)
         d_a -= tl.dot(to_m[:, None] * e, gs1, input_precision=DOT)
-        _put(da_ptr + cm_off, d_a, t, m, C, M, M)
-        d = _tile(d_ptr + cm_off, t, m, C, M, M)
+        store_tile(da_ptr + cm_off, d_a, t, m, C, M, M)
+        d = load_tile(d_ptr + cm_off, t, m, C, M, M)
         x_w2 = -tl.dot(k, tl.trans(gw2), input_precision=DOT)
         x_s2 = -tl.dot(k, tl.trans(gs2), input_precision=DOT)
-        _put(dd_ptr + cm_off, to_w[:, None] * x_w2 + to_m[:, None] * x_s2, t, m, C, M, M)
+        store_tile(dd_ptr + cm_off, to_w[:, None] * x_w2 + to_m[:, None] * x_s2, t, m, C, M, M)
         d_tw += tl.sum(d * x_w2, 1)
         d_tm += tl.sum(d * x_s2, 1)
         d_k -= tl.dot(to_w[:, None] * d, gw2, input_precision=DOT)
         d_k -= tl.dot(to_m[:, None] * d, gs2, input_precision=DOT)
-    _put(de_ptr + bh * C * O, to_w[:, None] * x_w1 + to_m[:, None] * x_s1, t, o, C, O, O)
-    _put(dk_ptr + bh * C * I, d_k, t, i, C, I, I)
+    store_tile(de_ptr + bh * C * O, to_w[:, None] * x_w1 + to_m[:, None] * x_s1, t, o, C, O, O)
+    store_tile(dk_ptr + bh * C * I, d_k, t, i, C, I, I)
     d_tw += tl.sum(e * x_w1, 1)
     d_tm += tl.sum(e * x_s1, 1)
     gain_grad = gain * theta * d_tm
@@ -152,13 +152,13 @@ def _momentum_bwd(w1_ptr, w2_ptr, s1_ptr, s2_ptr, k_ptr, e_ptr, a_ptr, d_ptr,
 
 def _inputs(tensors: tuple[Tensor, ...]) -> list[Tensor]:
     """The twelve inputs flattened to [B*H, ...]: eight matrices, four gate rows."""
-    return [_flat(x) for x in tensors[:8]] + [
+    return [flat_heads(x) for x in tensors[:8]] + [
         x.reshape(-1, x.shape[-1]).contiguous() for x in tensors[8:]
     ]
 
 
-def _launch_sizes(w1: Tensor, k: Tensor) -> dict[str, object]:
-    sizes = _sizes(w1, k)
+def _momentum_sizes(w1: Tensor, k: Tensor) -> dict[str, object]:
+    sizes = launch_sizes(w1, k)
     sizes.pop("SQUARINGS")
     return sizes
 
@@ -167,7 +167,7 @@ def momentum_chunk_triton(*tensors: Tensor) -> tuple[Tensor, Tensor, Tensor, Ten
     """``hope::momentum_chunk`` in one kernel launch (arguments as the operator's)."""
     ins = _inputs(tensors)
     outs = [torch.empty_like(x) for x in ins[:4]]
-    _momentum_fwd[(ins[4].shape[0],)](*ins, *outs, **_launch_sizes(tensors[0], tensors[4]))
+    _momentum_fwd[(ins[4].shape[0],)](*ins, *outs, **_momentum_sizes(tensors[0], tensors[4]))
     w1, w2, s1, s2 = (out.view_as(x) for out, x in zip(outs, tensors[:4], strict=True))
     return w1, w2, s1, s2
 
@@ -177,9 +177,9 @@ def momentum_chunk_backward_triton(
 ) -> tuple[Tensor, ...]:
     """``hope::momentum_chunk_backward`` in one kernel launch."""
     ins = _inputs(inputs)
-    flat_grads = [_flat(g) for g in grads]
+    flat_grads = [flat_heads(g) for g in grads]
     outs = [torch.empty_like(x) for x in ins]
     _momentum_bwd[(ins[4].shape[0],)](
-        *ins, *flat_grads, *outs, **_launch_sizes(inputs[0], inputs[4])
+        *ins, *flat_grads, *outs, **_momentum_sizes(inputs[0], inputs[4])
     )
     return tuple(out.view_as(x) for out, x in zip(outs, inputs, strict=True))
