@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,12 +25,11 @@ from torch.nn import functional as F
 import hope
 from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
-from hope.layers import gelu_prime
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
-from hope.memory.ops.pointwise import gelu_slope, l2_normalize
-from hope.memory.residual_mlp import FastWeights
+from hope.memory.ops.pointwise import l2_normalize
+from hope.memory.residual_mlp import FastWeights, chunk_pass
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
 
@@ -169,18 +169,67 @@ def test_fused_normalize_equals_f_normalize_with_gradients_and_is_one_launch() -
     assert (forward.count, backward.count) == (1, 1)
 
 
-def test_fused_gelu_slope_equals_gelu_prime_with_gradients_and_is_one_launch() -> None:
-    gen = torch.Generator().manual_seed(4)
-    z = (3 * torch.randn(5, 40, generator=gen, dtype=DT)).requires_grad_()
-    probe = torch.randn(z.shape, generator=gen, dtype=DT)
+PASS_CASES = {
+    # SMT: three stacked members (mixed residual), values, partial reads.
+    "smt": {"g": 3, "cq": 3, "titans": False, "dot": False},
+    "smt-dot": {"g": 3, "cq": 5, "titans": False, "dot": True},
+    "smt-single-no-reads": {"g": 1, "cq": 0, "titans": False, "dot": False},
+    # Titans: given targets, reads of every key, the curvature in the outer graph.
+    "titans": {"g": 1, "cq": 5, "titans": True, "dot": False},
+}
+
+
+@pytest.mark.parametrize("case", PASS_CASES.values(), ids=list(PASS_CASES))
+def test_fused_memory_pass_equals_chunk_pass_with_gradients_and_is_one_launch(
+    case: dict[str, Any],
+) -> None:
+    """``hope::memory_pass`` on shared (unrepeated) v, k, q equals ``chunk_pass`` on
+    member copies: every output, and the gradients of every input (the shared ones
+    summed over the members) under a random probe of every output."""
+    g, cq, titans, dot = case.values()
+    gen = torch.Generator().manual_seed(g * 10 + cq)
+    b, h, c, i, m = 2, 2, 5, 8, 12
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=DT) * scale).requires_grad_()
+
+    w1, w2, k = rand(b, g * h, i, m, scale=0.3), rand(b, g * h, m, i, scale=0.4), rand(b, h, c, i)
+    v = None if titans else rand(b, h, c, i)
+    q = rand(b, h, cq, i) if cq else None
+    target = rand(b, h, c, i) if titans else None
+    flags = torch.tensor([1.0, 0.0, 1.0][:g], dtype=DT).repeat_interleave(h).view(1, -1, 1, 1)
+    residual = flags if g > 1 else True
+    objective = "dot" if dot else "l2"
+    copies = [None if t is None else t.repeat(1, g, 1, 1) for t in (v, k, q)]
+    want = chunk_pass(w1, w2, *copies, objective, residual, target=target)
     with LaunchCounter() as forward:
-        got = gelu_slope(z)
-    want = gelu_prime(z)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+        got = chunk_pass(w1, w2, v, k, q, objective, residual, target, fused=True, members=g)
+    pairs = [(got.target, want.target), (got.curvature, want.curvature),
+             (got.coupling, want.coupling), (got.keys, want.keys)]  # fmt: skip
+    pairs += [(getattr(got.factors, f), getattr(want.factors, f)) for f in ("e", "a", "d", "pre")]
+    if cq:
+        pairs.append((got.read, want.read))
+    for x, y in pairs:
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-13)
+    assert got.coupling.grad_fn is None and want.coupling.grad_fn is None
+    differentiable = [j for j, (_, y) in enumerate(pairs) if y.requires_grad]
+    probes = [torch.randn(y.shape, generator=gen, dtype=DT) for _, y in pairs]
+    inputs = [t for t in (w1, w2, k, v, q, target) if t is not None]
+
+    def grads(which: int) -> tuple[torch.Tensor, ...]:
+        outs = [pairs[j][which] for j in differentiable]
+        return torch.autograd.grad(outs, inputs, [probes[j] for j in differentiable])
+
     with LaunchCounter() as backward:
-        (grad,) = torch.autograd.grad(got, z, probe)
-    torch.testing.assert_close(grad, torch.autograd.grad(want, z, probe)[0], rtol=0, atol=0)
-    assert (forward.count, backward.count) == (1, 1)
+        got_grads = grads(0)
+    for x, y in zip(got_grads, grads(1), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    # One launch each way. Beside it: forward, k's member copies for the write
+    # (``keys``); backward, their sum over the members and one add where a probed
+    # output is an input or a copy of one (``keys``; the given Titans targets).
+    copies_of_k = 0 if g == 1 else 1
+    assert forward.count == 1 + copies_of_k, forward.count
+    assert backward.count == 1 + copies_of_k + 1 + int(titans), backward.count
 
 
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
@@ -277,7 +326,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 64
+    assert len(errors) == 78
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

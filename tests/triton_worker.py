@@ -7,22 +7,23 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import torch
 
-from hope.layers import gelu_prime
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
-from hope.memory.ops.pointwise import gelu_slope_backward, l2_normalize_backward_reference
+from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
+from hope.memory.ops.pointwise import l2_normalize_backward_reference
 from hope.memory.ops.triton_kernels import (
     dgd_chunk_backward_triton,
     dgd_chunk_triton,
-    gelu_slope_triton,
     l2_normalize_backward_triton,
     l2_normalize_triton,
     overshoot_ratio_triton,
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
+from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
 from hope.memory.residual_mlp import overshoot_ratio
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
@@ -93,6 +94,50 @@ def normalize_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, f
     }
 
 
+# The memory pass (G stacked members, H heads, C keys, C_q queries, I, h_m): the SMT's
+# mixed-residual stack with partial reads, its single memory without reads and with
+# the dot loss, the Titans memory (given targets, C > 16, several h_m blocks).
+PASS_CASES = [
+    {"g": 3, "h": 2, "c": 8, "cq": 3, "i": 12, "m": 40, "mode": "smt"},
+    {"g": 1, "h": 2, "c": 5, "cq": 0, "i": 8, "m": 16, "mode": "dot"},
+    {"g": 1, "h": 3, "c": 20, "cq": 20, "i": 16, "m": 136, "mode": "titans"},
+]
+
+
+def pass_errors(case: dict[str, Any], dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::memory_pass``'s kernels against the reference forms, every output and
+    every gradient (D's, E's and the read's absent in one call)."""
+    g, h, c, cq, i, m, mode = case.values()
+    gen = torch.Generator().manual_seed(c * 100 + m)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+
+    b, titans = 2, mode == "titans"
+    scale = None if g == 1 else torch.tensor([1.0, 0.0, 1.0], dtype=dtype, device=device)
+    scale = None if scale is None else scale.repeat_interleave(h)
+    x = (rand(b, g * h, i, m, scale=0.3), rand(b, g * h, m, i, scale=0.5), rand(b, h, c, i),
+         None if titans else rand(b, h, c, i), rand(b, h, cq, i) if cq else None,
+         rand(b, g * h, c, i) if titans else None, scale)  # fmt: skip
+    options = (g == 1 and mode != "dot", mode == "dot")
+    want = memory_pass_reference(*x, *options)
+    name = f"pass_{mode}_{str(dtype).removeprefix('torch.')}"
+    present = [j for j, t in enumerate(want) if t.numel()]  # v_hat, read may be empty
+    got = memory_pass_triton(*x, *options)
+    errors = {
+        f"{name}_forward": worst(tuple(got[j] for j in present), tuple(want[j] for j in present))
+    }
+    for missing in ((), (1, 2, 4)):
+        grads = [None if j in missing or not t.numel() else rand(*t.shape)
+                 for j, t in enumerate(want[:7])]  # fmt: skip
+        saved = (*x, want[2])
+        got = memory_pass_backward_triton(saved, *options, tuple(grads))
+        ref = memory_pass_backward_reference(saved, *options, tuple(grads))
+        pairs = [(a, r) for a, r in zip(got, ref, strict=True) if r is not None]
+        errors[f"{name}_backward{len(missing)}"] = worst(*zip(*pairs, strict=True))
+    return errors
+
+
 def main(device: str) -> dict[str, float]:
     errors: dict[str, float] = {}
     for dtype in (torch.float64, torch.float32):
@@ -114,14 +159,8 @@ def main(device: str) -> dict[str, float]:
             errors |= momentum_errors(c, i, m, o, dtype, device)
         for width in (12, 64, 1):
             errors |= normalize_errors(width, dtype, device)
-        gen = torch.Generator().manual_seed(5)
-        z = (3 * torch.randn(3, 1500, generator=gen, dtype=torch.float64)).to(device, dtype)
-        grad = torch.randn(3, 1500, generator=gen, dtype=torch.float64).to(device, dtype)
-        name = str(dtype).removeprefix("torch.")
-        errors[f"gelu_slope_{name}"] = worst((gelu_slope_triton(z, None),), (gelu_prime(z),))
-        errors[f"gelu_slope_backward_{name}"] = worst(
-            (gelu_slope_triton(z, grad),), (gelu_slope_backward(z.cpu(), grad.cpu()).to(device),)
-        )
+        for case in PASS_CASES:
+            errors |= pass_errors(case, dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

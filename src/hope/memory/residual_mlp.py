@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.layers import gelu_prime
-from hope.memory.ops.pointwise import gelu_slope
+from hope.memory.ops.memory_pass import memory_pass
 
 Objective = Literal["l2", "dot"]
 # Residual-ness of a memory: a bool, or a [1, G*H, 1, 1] 0/1 scale when memories with
@@ -69,6 +69,11 @@ class GradFactors:
     a: Tensor  # [B, H, T, h_m]    hidden activation gelu(W2 k)
     d: Tensor  # [B, H, T, h_m]    back-propagated hidden error
     pre: Tensor  # [B, H, T, h_m]  pre-activation W2 k (the DGD preconditioner reuses it)
+
+
+def repeat_heads(t: Tensor, n: int) -> Tensor:
+    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
+    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
 
 
 def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
@@ -266,6 +271,7 @@ class ChunkPass:
     read: Tensor | None  # [B, H, C, d_out]  M(q), when queries were given
     # [B, H, C, C] ``chunk_kernel_bound`` at k, without a graph (a stabiliser's input)
     coupling: Tensor
+    keys: Tensor  # [B, H, C, d_in]  k, one copy per stacked member (the write's keys)
 
 
 def chunk_pass(
@@ -278,17 +284,24 @@ def chunk_pass(
     residual: Residual,
     target: Tensor | None = None,
     fused: bool = False,
+    members: int = 1,
 ) -> ChunkPass:
     """``mlp_apply`` on v and q, ``grad_factors`` and ``curvature_bound`` at k, at once.
 
-    v, k, q [B, H, ·, d_in]. The inner loss's target is M(v) (the SMT's self-generated
-    v_hat), or ``target`` when given with v None (the Titans memory's values, Ti eq.
-    12); it is a constant of the inner loss but stays in the outer graph (M_v's only
-    path to its meta-gradient). Queries may be fewer than keys (a chunk completing one
-    an earlier call left pending reads only this call's tokens). ``fused``: gelu′ as
-    one operator (``ops.pointwise.gelu_slope``; the memory backend ``fused``)."""
+    v, k, q [B, H_in, ·, d_in], shared by the ``members`` memories stacked along the
+    head axis of w1, w2 (H = members * H_in; ``repeat_heads``). The inner loss's target
+    is M(v) (the SMT's self-generated v_hat), or ``target`` [B, H, C, d_out] when given
+    with v None (the Titans memory's values, Ti eq. 12); it is a constant of the inner
+    loss but stays in the outer graph (M_v's only path to its meta-gradient). Queries
+    may be fewer than keys (a chunk completing one an earlier call left pending reads
+    only this call's tokens). ``fused``: all of it as one operator
+    (``ops.memory_pass``; the memory backend ``fused``)."""
     if (v is None) == (target is None):
         raise ValueError("chunk_pass: give exactly one of the values v or the target")
+    if fused:
+        return _fused_pass(w1, w2, v, k, q, objective, residual, target, members)
+    v, q = (None if t is None else repeat_heads(t, members) for t in (v, q))
+    k = repeat_heads(k, members)
     parts = [t for t in (v, k, q) if t is not None]
     z = torch.cat(parts, dim=2)
     sizes = [t.shape[2] for t in parts]
@@ -301,11 +314,36 @@ def chunk_pass(
     pred, read = out[at_k], (out[at_k + 1] if q is not None else None)
     if target is None:
         target = out[0]
-    hid = _Hidden(pre_k, act_k, gelu_slope(pre_k) if fused else gelu_prime(pre_k))
+    hid = _Hidden(pre_k, act_k, gelu_prime(pre_k))
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
     curvature, back_sq = _curvature(w1, k, hid)
     coupling = _kernel(hid.act.detach(), back_sq, k.detach())  # a stabiliser's input
-    return ChunkPass(target, factors, curvature, read, coupling)
+    return ChunkPass(target, factors, curvature, read, coupling, k)
+
+
+def _fused_pass(
+    w1: Tensor,
+    w2: Tensor,
+    v: Tensor | None,
+    k: Tensor,
+    q: Tensor | None,
+    objective: Objective,
+    residual: Residual,
+    target: Tensor | None,
+    members: int,
+) -> ChunkPass:
+    """``chunk_pass`` as ``hope::memory_pass`` (its inputs in the fast state's dtype)."""
+    work = w1.dtype
+    v, q, target = (None if t is None else t.to(work) for t in (v, q, target))
+    k = k.to(work)
+    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
+    outs = memory_pass(w1, w2, k, v, q, target, scale, residual is True, objective == "dot")
+    v_hat, read, err, act, hidden_err, pre, curvature, _, coupling = outs
+    factors = GradFactors(e=err, a=act, d=hidden_err, pre=pre)
+    return ChunkPass(
+        v_hat if target is None else target, factors, curvature,
+        None if q is None else read, coupling.detach(), repeat_heads(k, members),
+    )  # fmt: skip
 
 
 class MemoryInit(nn.Module):

@@ -50,6 +50,7 @@ from hope.memory.residual_mlp import (
     Residual,
     chunk_pass,
     mlp_apply,
+    repeat_heads,
 )
 from hope.memory.smt_frozen import frozen_segment, read_spans
 from hope.memory.smt_state import (
@@ -60,7 +61,6 @@ from hope.memory.smt_state import (
     SMTState,
     bounded_eta,
     join_generated,
-    repeat_heads,
     stack_group,
     unstack_group,
 )
@@ -225,18 +225,18 @@ class SelfModifyingTitans(nn.Module):
         """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha.
         ``read``: also o = M_mem(q) from the same chunk-start state (read before write)."""
         n = len(group.names)
-        k, v, eta, alpha = (repeat_heads(t, n) for t in (gen.k, gen.v, gen.eta, gen.alpha))
+        eta, alpha = (repeat_heads(t, n) for t in (gen.eta, gen.alpha))
         residual = self._residual(group)
         # v_hat = M(v) with each member's chunk-start state (eq. 84): a constant of the
         # inner gradient (the factors treat it so) but in the outer graph, M_v's only
         # path to the loss. The curvature differs per member, so each solves its own
         # C x C system.
         step = chunk_pass(
-            fast.w1, fast.w2, v, k, repeat_heads(gen.q, n) if read else None,
-            self.cfg.objective, residual, fused=backend == "fused",
+            fast.w1, fast.w2, gen.v, gen.k, gen.q if read else None, self.cfg.objective,
+            residual, fused=backend == "fused", members=n,
         )  # fmt: skip
         new = dgd_write(
-            fast, k, step.target, bounded_eta(eta, step.coupling, backend), alpha,
+            fast, step.keys, step.target, bounded_eta(eta, step.coupling, backend), alpha,
             objective=self.cfg.objective, residual=residual,
             precondition=self.cfg.precondition, momentum=self.cfg.momentum,
             backend=backend, factors=step.factors,

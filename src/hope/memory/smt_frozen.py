@@ -41,8 +41,9 @@ from hope.memory.residual_mlp import (
     Residual,
     chunk_pass,
     mlp_apply,
+    repeat_heads,
 )
-from hope.memory.smt_state import Generated, bounded_eta, repeat_heads
+from hope.memory.smt_state import Generated, bounded_eta
 
 
 @dataclass(frozen=True)
@@ -199,12 +200,15 @@ def frozen_segment(
     the segment is partial).
     """
     heads = gen.k.shape[1]
-    k, v = repeat_heads(gen.k, members), repeat_heads(gen.v, members)
-    step = chunk_pass(fast.w1, fast.w2, v, k, None, objective, residual, fused=backend == "fused")
+    step = chunk_pass(
+        fast.w1, fast.w2, gen.v, gen.k, None, objective, residual,
+        fused=backend == "fused", members=members,
+    )  # fmt: skip
     fac = step.factors
     stack = _WriteInputs(
-        [fast.w1, fast.w2, fast.m1, fast.m2], k, step.target, [fac.e, fac.a, fac.d, fac.pre],
-        repeat_heads(gen.eta, members), repeat_heads(gen.alpha, members), step.coupling,
+        [fast.w1, fast.w2, fast.m1, fast.m2], step.keys, step.target,
+        [fac.e, fac.a, fac.d, fac.pre], repeat_heads(gen.eta, members),
+        repeat_heads(gen.alpha, members), step.coupling,
     )  # fmt: skip
     mem = _WriteInputs(*(_last_heads(getattr(stack, f.name), heads) for f in fields(stack)))
     inputs = _read_copies(mem, gen, spans)

@@ -129,11 +129,6 @@ def bounded_eta(eta: Tensor, coupling: Tensor, backend: str | None = None) -> Te
     return eta / (1.0 + rho.unsqueeze(-1))
 
 
-def repeat_heads(t: Tensor, n: int) -> Tensor:
-    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
-    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
-
-
 def stack_group(mems: dict[str, FastWeights], group: MemoryGroup) -> FastWeights:
     """Members' states concatenated along the head axis: [B, G*H, ...], W1 and m1
     padded with zero rows to the group's widest d_out."""

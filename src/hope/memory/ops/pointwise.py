@@ -1,4 +1,4 @@
-"""Pointwise steps of the memories as single operators (backend ``fused``), each with
+"""A pointwise step of the memories as a single operator (backend ``fused``), each with
 its gradient written out; on CUDA one Triton kernel each way (``triton_kernels.py``),
 elsewhere the same closed form in PyTorch ops.
 
@@ -7,24 +7,17 @@ elsewhere the same closed form in PyTorch ops.
   ``F.normalize`` launches three kernels forward and about fifteen in backward (18% of
   a fused ``hope`` step's launches at the pilot chunking).
       y = x / max(||x||, eps),   dx = (g - y <y, g>) / ||x||   (g / eps where ||x|| < eps).
-- ``hope::gelu_slope``: gelu′(z) = Φ(z) + z φ(z), the slope every rank-1 gradient factor
-  of an MLP memory needs (``layers.gelu_prime``: ~8 kernels forward, ~6 backward),
-  with gelu″(z) = φ(z)(2 − z²) as its backward.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from hope.layers import gelu_prime
-
 EPS = 1e-12  # F.normalize's
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def l2_normalize_backward_reference(x: Tensor, grad: Tensor) -> Tensor:
@@ -76,41 +69,3 @@ def _backward(ctx: Any, grad: Tensor) -> Tensor:
 
 
 l2_normalize.register_autograd(_backward, setup_context=_setup)
-
-
-@torch.library.custom_op("hope::gelu_slope", mutates_args=())
-def gelu_slope(z: Tensor) -> Tensor:
-    """gelu′(z) of the exact GELU (``layers.gelu_prime``) in one launch."""
-    if z.device.type == "cuda":
-        from hope.memory.ops.triton_kernels import gelu_slope_triton
-
-        return gelu_slope_triton(z, None)
-    return gelu_prime(z)
-
-
-@gelu_slope.register_fake
-def _(z: Tensor) -> Tensor:
-    return torch.empty_like(z)
-
-
-@torch.library.custom_op("hope::gelu_slope_backward", mutates_args=())
-def gelu_slope_backward(z: Tensor, grad: Tensor) -> Tensor:
-    """grad ⊙ gelu″(z) = grad ⊙ φ(z)(2 − z²)."""
-    if z.device.type == "cuda":
-        from hope.memory.ops.triton_kernels import gelu_slope_triton
-
-        return gelu_slope_triton(z, grad)
-    return grad * torch.exp(-0.5 * z * z) * _INV_SQRT_2PI * (2.0 - z * z)
-
-
-@gelu_slope_backward.register_fake
-def _(z: Tensor, grad: Tensor) -> Tensor:
-    return torch.empty_like(z)
-
-
-def _slope_backward(ctx: Any, grad: Tensor) -> Tensor:
-    (z,) = ctx.saved_tensors
-    return gelu_slope_backward(z, grad)  # type: ignore[no-any-return]
-
-
-gelu_slope.register_autograd(_slope_backward, setup_context=_setup)

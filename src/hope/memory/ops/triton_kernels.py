@@ -16,8 +16,7 @@ The backward recomputes the C x C terms and Z from the inputs (the operator save
 nothing else), accumulates dZ, dE and the decay sums over the h_m blocks, then
 takes the C x C part (``dgd_chunk_backward_reference`` written per program).
 
-``hope::l2_normalize`` and its backward (``pointwise.py``): blocks of rows;
-``hope::gelu_slope`` and its backward: blocks of elements.
+``hope::l2_normalize`` and its backward (``pointwise.py``): blocks of rows.
 
 ``hope::overshoot_ratio``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
 the Collatz-Wielandt bound after four power iterations (``residual_mlp.perron_bound``).
@@ -234,31 +233,6 @@ def _normalize_launch(x: Tensor, grad: Tensor | None) -> Tensor:
         EPS=1e-12, BACKWARD=grad is not None,
     )  # fmt: skip
     return out.view_as(x)
-
-
-@triton.jit
-def _gelu_slope(z_ptr, g_ptr, out_ptr, N, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = n < N
-    z = tl.load(z_ptr + n, mask=live, other=0.0)
-    density = tl.exp(-0.5 * z * z) * 0.3989422804014327  # φ(z)
-    if BACKWARD:  # grad ⊙ gelu″(z)
-        out = tl.load(g_ptr + n, mask=live, other=0.0) * density * (2.0 - z * z)
-    else:  # gelu′(z) = Φ(z) + z φ(z)
-        out = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * density
-    tl.store(out_ptr + n, out, mask=live)
-
-
-def gelu_slope_triton(z: Tensor, grad: Tensor | None) -> Tensor:
-    """``hope::gelu_slope`` (grad None) or its backward in one kernel launch."""
-    flat = z.contiguous().view(-1)
-    g = flat if grad is None else grad.contiguous().view(-1)
-    out = torch.empty_like(flat)
-    block = 1024
-    _gelu_slope[(triton.cdiv(flat.numel(), block),)](
-        flat, g, out, flat.numel(), BLOCK=block, BACKWARD=grad is not None
-    )
-    return out.view_as(z)
 
 
 def l2_normalize_triton(x: Tensor) -> Tensor:
