@@ -29,7 +29,7 @@ from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.pointwise import l2_normalize
-from hope.memory.residual_mlp import FastWeights, chunk_pass
+from hope.memory.residual_mlp import FastWeights, chunk_pass, mlp_apply, stacked_apply
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
 
@@ -232,6 +232,37 @@ def test_fused_memory_pass_equals_chunk_pass_with_gradients_and_is_one_launch(
     assert backward.count == 1 + copies_of_k + 1 + int(titans), backward.count
 
 
+@pytest.mark.parametrize(("first", "count"), [(0, 3), (0, 2), (2, 1)])
+def test_fused_stacked_apply_equals_member_copies_with_gradients_and_is_one_launch(
+    first: int, count: int
+) -> None:
+    """``hope::memory_apply`` (members ``first`` .. of a mixed-residual stack on one
+    shared z) equals ``mlp_apply`` on the selected members and copies of z, and so do
+    its gradients: zero for the members not applied, z's summed over the members."""
+    gen = torch.Generator().manual_seed(first * 10 + count)
+    b, g, h, t, i, m = 2, 3, 2, 5, 6, 10
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=DT) * scale).requires_grad_()
+
+    w1, w2, z = rand(b, g * h, i, m, scale=0.3), rand(b, g * h, m, i, scale=0.5), rand(b, h, t, i)
+    flags = torch.tensor([1.0, 0.0, 1.0], dtype=DT).repeat_interleave(h).view(1, -1, 1, 1)
+    part = slice(first * h, (first + count) * h)
+    want = mlp_apply(w1[:, part], w2[:, part], z.repeat(1, count, 1, 1), flags[:, part])
+    with LaunchCounter() as forward:
+        got = stacked_apply(w1, w2, z, flags, first, count, fused=True)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+    probe = torch.randn(want.shape, generator=gen, dtype=DT)
+    with LaunchCounter() as backward:
+        grads = torch.autograd.grad(got, (w1, w2, z), probe)
+    for x, y in zip(grads, torch.autograd.grad(want, (w1, w2, z), probe), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
+    assert bool((grads[0][:, : first * h] == 0).all()) and bool(grads[1][:, part].abs().sum() > 0)
+    assert (forward.count, backward.count) == (1, 1)
+    # The unfused path equals it too (all members evaluated only when all are asked).
+    torch.testing.assert_close(stacked_apply(w1, w2, z, flags, first, count, fused=False), want)
+
+
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     gen = torch.Generator().manual_seed(0)
     act = torch.randn(2, 3, 12, 8, generator=gen, dtype=DT)
@@ -326,7 +357,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 78
+    assert len(errors) == 86
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

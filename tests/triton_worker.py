@@ -13,6 +13,7 @@ import torch
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
+from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory_apply_reference
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
 from hope.memory.ops.triton_kernels import (
@@ -23,7 +24,12 @@ from hope.memory.ops.triton_kernels import (
     overshoot_ratio_triton,
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
-from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
+from hope.memory.ops.triton_pass import (
+    memory_apply_backward_triton,
+    memory_apply_triton,
+    memory_pass_backward_triton,
+    memory_pass_triton,
+)
 from hope.memory.residual_mlp import overshoot_ratio
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
@@ -138,6 +144,30 @@ def pass_errors(case: dict[str, Any], dtype: torch.dtype, device: str) -> dict[s
     return errors
 
 
+def apply_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::memory_apply``'s kernels: a mixed-residual stack's first two members
+    (T = 20 > 16 rows, several h_m blocks), and the last one alone (a read)."""
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+
+    b, g, h, t, i, m = 2, 3, 2, 20, 12, 72
+    w1, w2, z = rand(b, g * h, i, m, scale=0.3), rand(b, g * h, m, i, scale=0.5), rand(b, h, t, i)
+    scale = torch.tensor([1.0, 0.0, 1.0], dtype=dtype, device=device).repeat_interleave(h)
+    errors = {}
+    for first, count, flags in ((0, 2, scale), (2, 1, None)):
+        x = (w1, w2, z, flags, flags is None, first, count)
+        name = f"apply_{first}_{count}_{str(dtype).removeprefix('torch.')}"
+        want = memory_apply_reference(*x)
+        errors[f"{name}_forward"] = worst((memory_apply_triton(*x),), (want,))
+        grad = rand(*want.shape)
+        errors[f"{name}_backward"] = worst(
+            memory_apply_backward_triton(*x, grad), memory_apply_backward_reference(*x, grad)
+        )
+    return errors
+
+
 def main(device: str) -> dict[str, float]:
     errors: dict[str, float] = {}
     for dtype in (torch.float64, torch.float32):
@@ -161,6 +191,7 @@ def main(device: str) -> dict[str, float]:
             errors |= normalize_errors(width, dtype, device)
         for case in PASS_CASES:
             errors |= pass_errors(case, dtype, device)
+        errors |= apply_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.layers import gelu_prime
+from hope.memory.ops.memory_apply import memory_apply
 from hope.memory.ops.memory_pass import memory_pass
 
 Objective = Literal["l2", "dot"]
@@ -85,6 +86,24 @@ def mlp_apply(w1: Tensor, w2: Tensor, z: Tensor, residual: Residual) -> Tensor:
     """M(z) = [z +] W1 gelu(W2 z), batched over [B, H, T]; -> [B, H, T, d_out]."""
     out = F.gelu(mlp_hidden(w2, z)) @ w1.transpose(-1, -2)
     return add_residual(out, z, residual)
+
+
+def stacked_apply(
+    w1: Tensor, w2: Tensor, z: Tensor, residual: Residual, first: int, count: int, fused: bool
+) -> Tensor:  # fmt: skip
+    """Members ``first`` ... ``first + count - 1`` of memories stacked along the head axis
+    (w1 [B, G*H, d_out, h_m], ``residual`` their flags) applied to a shared z
+    [B, H, T, d_in]: [B, count*H, T, d_out], member-major. ``fused``: as one operator
+    (``ops.memory_apply``; the memory backend ``fused``), in the fast state's dtype."""
+    heads = z.shape[1]
+    if fused:
+        scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
+        return memory_apply(w1, w2, z.to(w1.dtype), scale, residual is True, first, count)  # type: ignore[no-any-return]
+    if (first, count) != (0, w1.shape[1] // heads):
+        part = slice(first * heads, (first + count) * heads)
+        w1, w2 = w1[:, part], w2[:, part]
+        residual = residual[:, part] if isinstance(residual, Tensor) else residual
+    return mlp_apply(w1, w2, repeat_heads(z, count), residual)
 
 
 def inner_loss(

@@ -49,8 +49,8 @@ from hope.memory.residual_mlp import (
     MemoryInit,
     Residual,
     chunk_pass,
-    mlp_apply,
     repeat_heads,
+    stacked_apply,
 )
 from hope.memory.smt_frozen import frozen_segment, read_spans
 from hope.memory.smt_state import (
@@ -163,15 +163,17 @@ class SelfModifyingTitans(nn.Module):
         return scale.repeat_interleave(self.n_heads).view(1, -1, 1, 1)
 
     def _apply_members(
-        self, fast: FastWeights, group: MemoryGroup, members: tuple[str, ...], z: Tensor
+        self, fast: FastWeights, group: MemoryGroup, z: Tensor, backend: str | None
     ) -> dict[str, Tensor]:
-        """M_m(z) for ``members`` of a stacked group; z [B, H, C, d_h].
+        """M_m(z) for the generating members (a prefix) of a stacked group; z [B, H, C, d_h].
 
-        Every member is evaluated: slicing the stacked state to a subset makes bmm
-        copy it, which costs more than the one spare member (M_mem during the
+        Unfused, every member is evaluated: slicing the stacked state to a subset makes
+        bmm copy it, which costs more than the one spare member (M_mem during the
         generation): SMT fwd+bwd 4-6 % faster at the tiny and smoke shapes."""
-        out = mlp_apply(fast.w1, fast.w2, repeat_heads(z, len(group.names)), self._residual(group))
-        parts = dict(zip(group.names, out.split(self.n_heads, dim=1), strict=True))
+        members, fused = group.generators, backend == "fused"
+        count = len(members) if fused else len(group.names)
+        out = stacked_apply(fast.w1, fast.w2, z, self._residual(group), 0, count, fused)
+        parts = dict(zip(group.names, out.split(self.n_heads, dim=1), strict=False))
         return {m: parts[m][..., : self._outs[m]] for m in members}
 
     def _generate(
@@ -191,7 +193,7 @@ class SelfModifyingTitans(nn.Module):
             raw: dict[str, Tensor] = {}
             for group in plan or self._plan("naive"):
                 if group.generators:
-                    raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
+                    raw |= self._apply_members(stacks[group.key], group, xc, backend)
             k = unit_rows(raw["k"], backend)
             # v is only ever the input of the self-generated targets v_hat = M(v) (eq.
             # 84). Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's
@@ -208,11 +210,10 @@ class SelfModifyingTitans(nn.Module):
         query = raw["q"] if self.w_q is None else xc @ self.w_q
         return Generated(k, v, unit_rows(query, backend), eta, alpha)
 
-    def _read(self, fast: FastWeights, group: MemoryGroup, q: Tensor) -> Tensor:
+    def _read(self, fast: FastWeights, group: MemoryGroup, q: Tensor, backend: str) -> Tensor:
         """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
-        heads = self.n_heads
-        first = (len(group.names) - 1) * heads
-        return mlp_apply(fast.w1[:, first:], fast.w2[:, first:], q, True)
+        last = len(group.names) - 1
+        return stacked_apply(fast.w1, fast.w2, q, True, last, 1, backend == "fused")
 
     def _write(
         self,
@@ -252,7 +253,7 @@ class SelfModifyingTitans(nn.Module):
         read o = M_mem(q) at the chunk-start state. With the graph kept, the read rides
         on M_mem's write (one MLP call); else it is made apart, with its graph."""
         flush = loop.flush
-        read = None if keep else self._read(stacks[flush.key], flush, gen.q)
+        read = None if keep else self._read(stacks[flush.key], flush, gen.q, loop.backend)
         with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
             for group in loop.plan:
                 fused = keep and group is flush
@@ -364,7 +365,7 @@ class SelfModifyingTitans(nn.Module):
             carry.partial = gen
             if self.cfg.frozen:
                 return carry, self._frozen(stacks, loop, gen, at)[0]
-            return carry, self._read(stacks[flush.key], flush, fresh.q)
+            return carry, self._read(stacks[flush.key], flush, fresh.q, backend)
         carry.partial = None
         if self.cfg.frozen:  # the chunk is a segment: M_mem read every R tokens inside it
             with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
@@ -377,7 +378,7 @@ class SelfModifyingTitans(nn.Module):
             read = self._write_all(stacks, loop, gen, keep)
             read = read if held is None else read[:, :, held.length :]
         else:
-            read = self._read(stacks[flush.key], flush, fresh.q)  # read before write
+            read = self._read(stacks[flush.key], flush, fresh.q, backend)  # read before write
             carry.pending.append(gen)
             carry.pending_len += gen.k.shape[2]
             flush_now = carry.pending_len == self.cfg.mem_chunk
@@ -390,9 +391,8 @@ class SelfModifyingTitans(nn.Module):
                 if flush_now:  # M_mem: the C_o chunks since its last write as one
                     pending = carry.pending
                     joined = pending[0] if len(pending) == 1 else join_generated(pending)
-                    stacks[flush.key] = loop.write(self, stacks[flush.key], flush, joined, backend)[
-                        0
-                    ]
+                    flushed = loop.write(self, stacks[flush.key], flush, joined, backend)
+                    stacks[flush.key] = flushed[0]
             if flush_now:
                 carry.pending, carry.pending_len = [], 0
         carry.chunks_done += 1
