@@ -264,18 +264,28 @@ def test_fused_stacked_apply_equals_member_copies_with_gradients_and_is_one_laun
 
 
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
+    """The bound rho alone (Titans' cap) and the SMT's bounded step eta / (1 + rho) with
+    its gradient (rho not differentiated): one launch each way under ``fused``."""
     gen = torch.Generator().manual_seed(0)
     act = torch.randn(2, 3, 12, 8, generator=gen, dtype=DT)
     kernel = (act @ act.transpose(-1, -2)).abs()
-    step = torch.rand(2, 3, 12, generator=gen, dtype=DT)
+    step = torch.rand(2, 3, 12, generator=gen, dtype=DT).requires_grad_()
+    probe = torch.randn(step.shape, generator=gen, dtype=DT)
     counts, values = {}, {}
     for backend in ("fused", "torch"):
         with LaunchCounter() as counter:
-            values[backend] = dispatch.overshoot(kernel, step, backend)
-        counts[backend] = counter.count
-    torch.testing.assert_close(values["fused"], values["torch"], rtol=0, atol=0)
-    assert values["torch"].shape == (2, 3) and bool((values["torch"] > 0).all())
-    assert counts["fused"] == 1 and counts["torch"] > 20, counts
+            rho = dispatch.overshoot(kernel, step, backend)
+            bounded = dispatch.bounded_step(kernel, step, backend)
+        with LaunchCounter() as backward:
+            (grad,) = torch.autograd.grad(bounded, step, probe)
+        values[backend] = (rho, bounded, grad)
+        counts[backend] = (counter.count, backward.count)
+    for got, want in zip(values["fused"], values["torch"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+    rho = values["torch"][0]
+    assert rho.shape == (2, 3) and bool((rho > 0.5).all())  # the bound binds here
+    torch.testing.assert_close(values["torch"][2], probe / (1.0 + rho.unsqueeze(-1)))
+    assert counts["fused"] == (2, 1) and counts["torch"][0] > 40, counts
 
 
 def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -357,7 +367,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 86
+    assert len(errors) == 94
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

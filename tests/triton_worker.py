@@ -17,6 +17,7 @@ from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
 from hope.memory.ops.triton_kernels import (
+    bounded_step_triton,
     dgd_chunk_backward_triton,
     dgd_chunk_triton,
     l2_normalize_backward_triton,
@@ -202,6 +203,10 @@ def main(device: str) -> dict[str, float]:
             name = f"overshoot_{str(dtype).removeprefix('torch.')}_C{c}"
             got, want = overshoot_ratio_triton(kernel, step), overshoot_ratio(kernel, step)
             errors[name] = worst((got,), (want,))
+            bounded = (step / (1.0 + want.unsqueeze(-1)), 1.0 / (1.0 + want))
+            errors[name.replace("overshoot", "bounded")] = worst(
+                bounded_step_triton(kernel, step), bounded
+            )
     return errors
 
 

@@ -84,12 +84,11 @@ class SelfModifyingTitans(nn.Module):
             outs["q"] = self.d_head
         outs |= {"eta": 1, "alpha": 1, "mem": self.d_head}  # M_mem last (stacking order)
         self._outs = outs
-        # 0/1 per memory (in this order): which ones have the residual skip.
+        # 0/1 per memory and head (memory-major, in this order): which have the skip.
+        flags = torch.tensor([float(d == self.d_head) for d in outs.values()])
         self.residual_scale: Tensor
         self.register_buffer(
-            "residual_scale",
-            torch.tensor([float(d == self.d_head) for d in outs.values()]),
-            persistent=False,
+            "residual_scale", flags.repeat_interleave(cfg.n_heads), persistent=False
         )
         self.inits = nn.ModuleDict(
             {
@@ -159,8 +158,8 @@ class SelfModifyingTitans(nn.Module):
         first = order.index(names[0])
         if order[first : first + len(names)] != names:
             raise RuntimeError(f"stacked memories {names} are not a run of {order}")
-        scale = self.residual_scale[first : first + len(names)]
-        return scale.repeat_interleave(self.n_heads).view(1, -1, 1, 1)
+        heads = slice(first * self.n_heads, (first + len(names)) * self.n_heads)
+        return self.residual_scale[heads].view(1, -1, 1, 1)  # a view: no copy per chunk
 
     def _apply_members(
         self, fast: FastWeights, group: MemoryGroup, z: Tensor, backend: str | None

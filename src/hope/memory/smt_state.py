@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.memory.fast_state import where_samples
-from hope.memory.ops.dispatch import compiled, overshoot
+from hope.memory.ops.dispatch import bounded_step, compiled
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import FastWeights
 
@@ -125,8 +125,7 @@ def bounded_eta(eta: Tensor, coupling: Tensor, backend: str | None = None) -> Te
     ratio below 1 and leaves eta unchanged while rho << 1. A deviation;
     docs/FAITHFULNESS.md. Tokens with eta = 0 do not enter rho.
     """
-    rho = overshoot(coupling, eta.detach(), backend)  # [B, H]
-    return eta / (1.0 + rho.unsqueeze(-1))
+    return bounded_step(coupling, eta, backend)
 
 
 def stack_group(mems: dict[str, FastWeights], group: MemoryGroup) -> FastWeights:

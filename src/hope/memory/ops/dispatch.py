@@ -50,7 +50,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
-from hope.memory.ops.fused import dgd_chunk, momentum_chunk, overshoot_ratio_op
+from hope.memory.ops.fused import bounded_step_op, dgd_chunk, momentum_chunk, overshoot_ratio_op
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
 from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.residual_mlp import (
@@ -151,6 +151,15 @@ def overshoot(kernel: Tensor, step: Tensor, backend: str | None = None) -> Tenso
     if resolve_backend(backend) == "fused":
         return overshoot_ratio_op(kernel.detach(), step.detach())
     return overshoot_ratio(kernel, step)
+
+
+def bounded_step(kernel: Tensor, eta: Tensor, backend: str | None = None) -> Tensor:
+    """eta / (1 + rho), rho = ``overshoot_ratio`` of the kernel bound [B, H, C, C] and eta
+    [B, H, C] without a gradient (``smt_state.bounded_eta``); one operator under ``fused``."""
+    if resolve_backend(backend) == "fused":
+        return bounded_step_op(kernel.detach(), eta)[0]  # type: ignore[no-any-return]
+    rho = overshoot_ratio(kernel, eta.detach())
+    return eta / (1.0 + rho.unsqueeze(-1))
 
 
 def dgd_write(

@@ -215,6 +215,38 @@ def _(kernel: Tensor, step: Tensor) -> Tensor:
     return kernel.new_empty(kernel.shape[:-2])
 
 
+@torch.library.custom_op("hope::bounded_step", mutates_args=())
+def bounded_step_op(kernel: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
+    """(eta / (1 + rho), 1 / (1 + rho)) with rho = ``overshoot_ratio(kernel, eta)`` [B, H]
+    not differentiated (``smt_state.bounded_eta``): the bound and the division in one
+    launch (one Triton kernel on CUDA). kernel [B, H, C, C] carries no gradient."""
+    if _uses_triton(kernel):
+        from hope.memory.ops.triton_kernels import bounded_step_triton
+
+        return bounded_step_triton(kernel, eta)
+    denominator = 1.0 + overshoot_ratio(kernel, eta)
+    return eta / denominator.unsqueeze(-1), 1.0 / denominator
+
+
+@bounded_step_op.register_fake
+def _(kernel: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(eta), eta.new_empty(eta.shape[:-1])
+
+
+def _bounded_setup(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, Tensor]) -> None:
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _bounded_backward(ctx: Any, grad: Tensor | None, _gain: Tensor | None) -> tuple[Any, ...]:
+    (gain,) = ctx.saved_tensors
+    return None, None if grad is None else grad * gain.unsqueeze(-1)
+
+
+bounded_step_op.register_autograd(_bounded_backward, setup_context=_bounded_setup)
+
+
 _MomentumGrads = tuple[Tensor, ...]
 
 

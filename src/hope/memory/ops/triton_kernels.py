@@ -19,7 +19,8 @@ takes the C x C part (``dgd_chunk_backward_reference`` written per program).
 ``hope::l2_normalize`` and its backward (``pointwise.py``): blocks of rows.
 
 ``hope::overshoot_ratio``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
-the Collatz-Wielandt bound after four power iterations (``residual_mlp.perron_bound``).
+the Collatz-Wielandt bound after four power iterations (``residual_mlp.perron_bound``);
+``hope::bounded_step`` the same, then s / (1 + rho).
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` against the PyTorch forms
 (tests/test_fused_ops.py); scripts/gpu_check.sh runs the same parity on CUDA.
@@ -192,18 +193,25 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
 
 
 @triton.jit
-def _overshoot(kernel_ptr, step_ptr, rho_ptr, C, CP: tl.constexpr, ITERATIONS: tl.constexpr):
+def _overshoot(kernel_ptr, step_ptr, rho_ptr, bounded_ptr, C, CP: tl.constexpr,
+               ITERATIONS: tl.constexpr, BOUND: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, CP)
     live = t < C
-    root = tl.sqrt(tl.maximum(tl.load(step_ptr + bh * C + t, mask=live, other=0.0), 0.0))
+    step = tl.load(step_ptr + bh * C + t, mask=live, other=0.0)
+    root = tl.sqrt(tl.maximum(step, 0.0))
     matrix = root[:, None] * load_tile(kernel_ptr + bh * C * C, t, t, C, C, C) * root[None, :]
     x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
     for _ in tl.static_range(ITERATIONS):
         x = tl.sum(matrix * x[None, :], 1)
         x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
     ratio = tl.where(live, tl.sum(matrix * x[None, :], 1) / x, 0.0)
-    tl.store(rho_ptr + bh, 2.0 * tl.max(ratio, 0))
+    rho = 2.0 * tl.max(ratio, 0)
+    if BOUND:  # the step divided by 1 + rho, and the gain 1 / (1 + rho)
+        tl.store(bounded_ptr + bh * C + t, step / (1.0 + rho), mask=live)
+        tl.store(rho_ptr + bh, 1.0 / (1.0 + rho))
+    else:
+        tl.store(rho_ptr + bh, rho)
 
 
 @triton.jit
@@ -245,16 +253,28 @@ def l2_normalize_backward_triton(x: Tensor, grad: Tensor) -> Tensor:
     return _normalize_launch(x, grad)
 
 
-def overshoot_ratio_triton(kernel: Tensor, step: Tensor, iterations: int = 4) -> Tensor:
-    """``hope::overshoot_ratio`` in one kernel launch."""
+def _overshoot_launch(kernel: Tensor, step: Tensor, bound: bool) -> tuple[Tensor, Tensor]:
     c = kernel.shape[-1]
     flat_kernel = kernel.reshape(-1, c, c).contiguous()
+    flat_step = step.reshape(-1, c).contiguous()
     rho = kernel.new_empty(flat_kernel.shape[0])
+    bounded = torch.empty_like(flat_step) if bound else rho
     _overshoot[(flat_kernel.shape[0],)](
-        flat_kernel, step.reshape(-1, c).contiguous(), rho, c,
-        CP=max(16, triton.next_power_of_2(c)), ITERATIONS=iterations,
+        flat_kernel, flat_step, rho, bounded, c, CP=max(16, triton.next_power_of_2(c)),
+        ITERATIONS=4, BOUND=bound,
     )  # fmt: skip
-    return rho.view(kernel.shape[:-2])
+    return rho.view(kernel.shape[:-2]), bounded.view(step.shape) if bound else rho
+
+
+def overshoot_ratio_triton(kernel: Tensor, step: Tensor) -> Tensor:
+    """``hope::overshoot_ratio`` in one kernel launch."""
+    return _overshoot_launch(kernel, step, bound=False)[0]
+
+
+def bounded_step_triton(kernel: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+    """``hope::bounded_step`` in one kernel launch: (step / (1 + rho), 1 / (1 + rho))."""
+    gain, bounded = _overshoot_launch(kernel, step, bound=True)
+    return bounded, gain
 
 
 def flat_heads(t: Tensor) -> Tensor:
