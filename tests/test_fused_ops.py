@@ -28,6 +28,7 @@ from hope.config import TrainConfig
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
+from hope.memory.ops.generation import smt_generation
 from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.residual_mlp import FastWeights, chunk_pass, mlp_apply, stacked_apply
 from hope.model.config import ModelConfig
@@ -263,6 +264,38 @@ def test_fused_stacked_apply_equals_member_copies_with_gradients_and_is_one_laun
     torch.testing.assert_close(stacked_apply(w1, w2, z, flags, first, count, fused=False), want)
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_q", "adaptive_q"])
+def test_fused_generation_equals_the_pytorch_epilogue_with_gradients(adaptive: bool) -> None:
+    """``hope::smt_generation`` equals F.normalize / softplus / sigmoid on the members'
+    outputs (eq. 83), and so do the gradients of the outputs, the query and b_alpha;
+    one launch forward, the operator and b_alpha's batch sum backward."""
+    gen = torch.Generator().manual_seed(int(adaptive))
+    b, h, t, o = 2, 3, 5, 6
+    members = 5 if adaptive else 4
+    raw = torch.randn(b, members * h, t, o, generator=gen, dtype=DT)
+    raw[:, -2 * h :, :, 1:] = 0.0  # scalar memories: their first column
+    raw = raw.requires_grad_()
+    query = None if adaptive else torch.randn(b, h, t, o, generator=gen, dtype=DT).requires_grad_()
+    bias = torch.randn(h, generator=gen, dtype=DT).requires_grad_()
+    with LaunchCounter() as forward:
+        got = smt_generation(raw, query, bias, 0.7)
+    parts = raw.split(h, dim=1)
+    want = (
+        F.normalize(parts[0], dim=-1), F.normalize(parts[1], dim=-1),
+        F.normalize(parts[2] if query is None else query, dim=-1),
+        0.7 * F.softplus(parts[-2][..., 0]), torch.sigmoid(parts[-1][..., 0] + bias[:, None]),
+    )  # fmt: skip
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-14, atol=1e-15)
+    inputs = [t for t in (raw, query, bias) if t is not None]
+    probes = [torch.randn(y.shape, generator=gen, dtype=DT) for y in want]
+    with LaunchCounter() as backward:
+        got_grads = torch.autograd.grad(got, inputs, probes)
+    for x, y in zip(got_grads, torch.autograd.grad(want, inputs, probes), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
+    assert (forward.count, backward.count) == (1, 2)
+
+
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     """The bound rho alone (Titans' cap) and the SMT's bounded step eta / (1 + rho) with
     its gradient (rho not differentiated): one launch each way under ``fused``."""
@@ -306,8 +339,13 @@ FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
 
 @pytest.mark.parametrize(
     ("variant", "extra"),
-    [("hope", {}), ("hope", FROZEN), ("titans_mac", {})],
-    ids=["hope", "hope-frozen_reads", "titans_mac"],
+    [
+        ("hope", {}),
+        ("hope", {"smt_adaptive_q": True, "smt_mem_chunk": 8}),
+        ("hope", FROZEN),
+        ("titans_mac", {}),
+    ],
+    ids=["hope", "hope-adaptive_q-one_group", "hope-frozen_reads", "titans_mac"],
 )
 def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(
     variant: str, extra: dict[str, int]
@@ -367,7 +405,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 94
+    assert len(errors) == 106
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

@@ -13,9 +13,17 @@ import torch
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
+from hope.memory.ops.generation import (
+    smt_generation_backward_reference,
+    smt_generation_reference,
+)
 from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory_apply_reference
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
+from hope.memory.ops.triton_generation import (
+    smt_generation_backward_triton,
+    smt_generation_triton,
+)
 from hope.memory.ops.triton_kernels import (
     bounded_step_triton,
     dgd_chunk_backward_triton,
@@ -169,6 +177,41 @@ def apply_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+def rand_like(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Normal entries drawn in float64 on the CPU, then moved to t's device and dtype."""
+    return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device, t.dtype)
+
+
+def generation_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::smt_generation``'s kernels, with a fixed and an adaptive query, softplus
+    past its threshold; every gradient, then only v's and alpha's. (No zero row: its
+    gradient, g / eps, would hide every other row's error in the relative measure;
+    ``normalize_errors`` covers the clamp.)"""
+    errors = {}
+    for adaptive in (False, True):
+        gen = torch.Generator().manual_seed(2)
+        b, h, t, o = 2, 3, 7, 12
+        members = 5 if adaptive else 4
+        raw = torch.randn(b, members * h, t, o, generator=gen, dtype=torch.float64)
+        raw[:, -2 * h :, :, 1:] = 0.0  # the scalar memories' padded columns
+        raw[:, -2 * h : -h, :2, 0] = torch.tensor([25.0, -30.0], dtype=torch.float64)
+        query = None if adaptive else torch.randn(b, h, t, o, generator=gen, dtype=torch.float64)
+        bias = torch.randn(h, generator=gen, dtype=torch.float64)
+        raw, bias = raw.to(device, dtype), bias.to(device, dtype)
+        query = None if query is None else query.to(device, dtype)
+        want = smt_generation_reference(raw, query, bias, 0.7)
+        name = f"generation_{'adaptive_' if adaptive else ''}{str(dtype).removeprefix('torch.')}"
+        errors[f"{name}_forward"] = worst(smt_generation_triton(raw, query, bias, 0.7), want)
+        for missing in ((), (0, 2, 3)):
+            grads = [None if j in missing else rand_like(w, gen) for j, w in enumerate(want)]
+            args = (raw, query, want[4], 0.7, grads)
+            got = smt_generation_backward_triton(*args)
+            ref = smt_generation_backward_reference(*args)
+            pairs = [(a, r) for a, r in zip(got, ref, strict=True) if r is not None]
+            errors[f"{name}_backward{len(missing)}"] = worst(*zip(*pairs, strict=True))
+    return errors
+
+
 def main(device: str) -> dict[str, float]:
     errors: dict[str, float] = {}
     for dtype in (torch.float64, torch.float32):
@@ -193,6 +236,7 @@ def main(device: str) -> dict[str, float]:
         for case in PASS_CASES:
             errors |= pass_errors(case, dtype, device)
         errors |= apply_errors(dtype, device)
+        errors |= generation_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -49,6 +49,7 @@ from hope.memory.residual_mlp import (
     MemoryInit,
     Residual,
     chunk_pass,
+    mlp_apply,
     repeat_heads,
     stacked_apply,
 )
@@ -60,6 +61,7 @@ from hope.memory.smt_state import (
     MemoryGroup,
     SMTState,
     bounded_eta,
+    generate_stacked,
     join_generated,
     stack_group,
     unstack_group,
@@ -114,10 +116,8 @@ class SelfModifyingTitans(nn.Module):
         mems = {n: cast(MemoryInit, init).init_state(batch_size) for n, init in self.inits.items()}
         tail = None if self.conv is None else self.conv.init_tail(batch_size)
         state = SMTState(mems, tail, self._no_tokens(batch_size), self._no_tokens(batch_size), 0)
-        if device is not None and torch.device(device) != self.alpha_bias.device:
-            raise ValueError(
-                f"init_state device {device} != module device {self.alpha_bias.device}"
-            )
+        if device is not None and torch.device(device) != (here := self.alpha_bias.device):
+            raise ValueError(f"init_state device {device} != module device {here}")
         return state
 
     def _no_tokens(self, batch_size: int) -> Generated:
@@ -162,17 +162,15 @@ class SelfModifyingTitans(nn.Module):
         return self.residual_scale[heads].view(1, -1, 1, 1)  # a view: no copy per chunk
 
     def _apply_members(
-        self, fast: FastWeights, group: MemoryGroup, z: Tensor, backend: str | None
+        self, fast: FastWeights, group: MemoryGroup, members: tuple[str, ...], z: Tensor
     ) -> dict[str, Tensor]:
-        """M_m(z) for the generating members (a prefix) of a stacked group; z [B, H, C, d_h].
+        """M_m(z) for ``members`` of a stacked group; z [B, H, C, d_h].
 
-        Unfused, every member is evaluated: slicing the stacked state to a subset makes
-        bmm copy it, which costs more than the one spare member (M_mem during the
+        Every member is evaluated: slicing the stacked state to a subset makes bmm
+        copy it, which costs more than the one spare member (M_mem during the
         generation): SMT fwd+bwd 4-6 % faster at the tiny and smoke shapes."""
-        members, fused = group.generators, backend == "fused"
-        count = len(members) if fused else len(group.names)
-        out = stacked_apply(fast.w1, fast.w2, z, self._residual(group), 0, count, fused)
-        parts = dict(zip(group.names, out.split(self.n_heads, dim=1), strict=False))
+        out = mlp_apply(fast.w1, fast.w2, repeat_heads(z, len(group.names)), self._residual(group))
+        parts = dict(zip(group.names, out.split(self.n_heads, dim=1), strict=True))
         return {m: parts[m][..., : self._outs[m]] for m in members}
 
     def _generate(
@@ -188,11 +186,16 @@ class SelfModifyingTitans(nn.Module):
         ``writes_need_grad=False``: k, v, eta, alpha feed only writes whose graph is
         not needed (pass A), so they are made without one; q keeps its graph."""
         adaptive_q = self.w_q is None
+        gens = [g for g in plan or () if g.generators]
+        if backend == "fused" and len(gens) == 1:  # one operator for M(x), one for the rest
+            fast, residual = stacks[gens[0].key], self._residual(gens[0])
+            spec = (self.w_q, self.alpha_bias, self.cfg.eta_scale, writes_need_grad or adaptive_q)
+            return generate_stacked(fast, gens[0], residual, xc, *spec)
         with torch.set_grad_enabled(torch.is_grad_enabled() and (writes_need_grad or adaptive_q)):
             raw: dict[str, Tensor] = {}
             for group in plan or self._plan("naive"):
                 if group.generators:
-                    raw |= self._apply_members(stacks[group.key], group, xc, backend)
+                    raw |= self._apply_members(stacks[group.key], group, group.generators, xc)
             k = unit_rows(raw["k"], backend)
             # v is only ever the input of the self-generated targets v_hat = M(v) (eq.
             # 84). Unnormalised, M_v(v) feeds back on itself: a write that raises M_v's
@@ -211,8 +214,7 @@ class SelfModifyingTitans(nn.Module):
 
     def _read(self, fast: FastWeights, group: MemoryGroup, q: Tensor, backend: str) -> Tensor:
         """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
-        last = len(group.names) - 1
-        return stacked_apply(fast.w1, fast.w2, q, True, last, 1, backend == "fused")
+        return stacked_apply(fast.w1, fast.w2, q, True, len(group.names) - 1, 1, backend == "fused")
 
     def _write(
         self,

@@ -19,8 +19,9 @@ from torch.nn import functional as F
 
 from hope.memory.fast_state import where_samples
 from hope.memory.ops.dispatch import bounded_step, compiled
+from hope.memory.ops.generation import smt_generation
 from hope.memory.pieces import PieceGrid
-from hope.memory.residual_mlp import FastWeights
+from hope.memory.residual_mlp import FastWeights, Residual, stacked_apply
 
 
 @dataclass
@@ -126,6 +127,28 @@ def bounded_eta(eta: Tensor, coupling: Tensor, backend: str | None = None) -> Te
     docs/FAITHFULNESS.md. Tokens with eta = 0 do not enter rho.
     """
     return bounded_step(coupling, eta, backend)
+
+
+def generate_stacked(
+    fast: FastWeights,
+    group: MemoryGroup,
+    residual: Residual,
+    xc: Tensor,
+    w_q: Tensor | None,
+    alpha_bias: Tensor,
+    eta_scale: float,
+    with_graph: bool,
+) -> Generated:
+    """Eq. 83 (``SelfModifyingTitans._generate``) from one stacked group holding every
+    generating memory as its first members, under the memory backend ``fused``: their
+    outputs on xc [B, H, C, d_h] in one ``hope::memory_apply``, the normalisations and
+    gates in one ``hope::smt_generation``. ``with_graph``: whether the memories' outputs
+    keep their graph (the query x W_q always does)."""
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_graph):
+        raw = stacked_apply(fast.w1, fast.w2, xc, residual, 0, len(group.generators), True)
+    query = None if w_q is None else (xc @ w_q).to(raw.dtype)
+    bias = alpha_bias.to(raw.dtype)
+    return Generated(*smt_generation(raw, query, bias, eta_scale))  # type: ignore[misc]
 
 
 def stack_group(mems: dict[str, FastWeights], group: MemoryGroup) -> FastWeights:
