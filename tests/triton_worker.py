@@ -20,6 +20,7 @@ from hope.memory.ops.generation import (
 from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory_apply_reference
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
+from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
 from hope.memory.ops.triton_generation import (
     smt_generation_backward_triton,
     smt_generation_triton,
@@ -33,12 +34,7 @@ from hope.memory.ops.triton_kernels import (
     overshoot_ratio_triton,
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
-from hope.memory.ops.triton_pass import (
-    memory_apply_backward_triton,
-    memory_apply_triton,
-    memory_pass_backward_triton,
-    memory_pass_triton,
-)
+from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
 from hope.memory.residual_mlp import overshoot_ratio
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.

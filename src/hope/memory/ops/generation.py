@@ -7,7 +7,7 @@ member-major: M_k, M_v, [M_q,] M_eta, M_alpha) become (NL-arXiv eq. 83)
   k = norm(M_k(x)),  v = norm(M_v(x)),  q = norm(M_q(x) or x W_q),
   eta = s_eta softplus(M_eta(x)),  alpha = sigmoid(M_alpha(x) + b_alpha)
 
-(v normalised like k: a deviation, docs/FAITHFULNESS.md). As PyTorch ops that is
+(v normalised like k: see ``SelfModifyingTitans._generate``). As PyTorch ops that is
 about eight kernels forward and fifteen backward per chunk; here one each way, plus
 the sum of b_alpha's per-sample gradient over the batch. On CUDA each direction is
 one Triton kernel (``triton_generation.py``); elsewhere the same closed forms in

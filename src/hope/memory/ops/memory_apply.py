@@ -11,7 +11,7 @@ the stacked state (bmm copies it), two products, the GELU and the skip: ~6 kerne
 forward and ~10 backward. Here it is one launch each way; the backward sums z's
 gradient over the members and gives zero gradients to the members not applied.
 
-On CUDA each direction is one Triton kernel (``triton_pass.py``); elsewhere the same
+On CUDA each direction is one Triton kernel (``triton_apply.py``); elsewhere the same
 closed forms in PyTorch ops.
 """
 
@@ -73,7 +73,7 @@ def memory_apply(
     (module docstring); ``scale`` [G*H] the 0/1 residual coefficient per stacked head,
     or None for ``residual`` on all. -> [B, count*H, T, O], member-major."""
     if w1.device.type == "cuda":
-        from hope.memory.ops.triton_pass import memory_apply_triton
+        from hope.memory.ops.triton_apply import memory_apply_triton
 
         return memory_apply_triton(w1, w2, z, scale, residual, first, count)
     return memory_apply_reference(w1, w2, z, scale, residual, first, count)
@@ -95,7 +95,7 @@ def memory_apply_backward(
     """d(w1, w2, z) of ``memory_apply`` (``memory_apply_backward_reference``)."""
     args = (w1, w2, z, scale, residual, first, count, grad)
     if w1.device.type == "cuda":
-        from hope.memory.ops.triton_pass import memory_apply_backward_triton
+        from hope.memory.ops.triton_apply import memory_apply_backward_triton
 
         return memory_apply_backward_triton(*args)
     return memory_apply_backward_reference(*args)

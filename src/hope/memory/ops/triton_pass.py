@@ -11,10 +11,8 @@ the gradients of the shared k, v, q are summed in registers. Per member a first
 walk over the hidden blocks completes dL/dE (D's share) and back_sq; a second
 recomputes the activations and writes dW1, dW2 block by block.
 
-Padding as in ``triton_kernels.py`` (every dimension a power of two >= 16, padded
-rows and columns zero); fp32 products in IEEE precision. Tested on a CPU with
-``TRITON_INTERPRET=1`` against ``memory_pass_reference`` and its backward
-(tests/test_fused_ops.py); scripts/gpu_check.sh runs the same parity on CUDA.
+Padding as in ``triton_kernels.py``; fp32 products in IEEE precision. Tested on a CPU
+with ``TRITON_INTERPRET=1`` against the reference forms (tests/test_fused_ops.py).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from hope.memory.ops.triton_kernels import flat_heads, load_tile, store_tile
 
 
 @triton.jit
-def _gelu(x):
+def gelu(x):
     return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
 
@@ -75,7 +73,7 @@ def _memory_pass_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, tgt_ptr, scale_ptr,
         w2 = load_tile(w2_ptr, m, i, M, I, I)
         w1 = load_tile(w1_ptr, o, m, O, M, M)
         pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
-        act = _gelu(pre)
+        act = gelu(pre)
         slope = _slope(pre)
         pred += tl.dot(act, tl.trans(w1), input_precision=DOT)
         store_tile(pre_ptr + cm, pre, t, m, C, M, M)
@@ -84,10 +82,10 @@ def _memory_pass_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, tgt_ptr, scale_ptr,
         act_sq += tl.sum(act * act, 1)
         gram += tl.dot(act, tl.trans(act), input_precision=DOT)
         if HAS_V:
-            v_act = _gelu(tl.dot(v, tl.trans(w2), input_precision=DOT))
+            v_act = gelu(tl.dot(v, tl.trans(w2), input_precision=DOT))
             v_hat += tl.dot(v_act, tl.trans(w1), input_precision=DOT)
         if HAS_Q:
-            q_act = _gelu(tl.dot(q, tl.trans(w2), input_precision=DOT))
+            q_act = gelu(tl.dot(q, tl.trans(w2), input_precision=DOT))
             read += tl.dot(q_act, tl.trans(w1), input_precision=DOT)
     if HAS_SCALE or RESIDUAL:  # O == I (checked by the launcher)
         skip = 1.0
@@ -121,11 +119,11 @@ def _memory_pass_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, tgt_ptr, scale_ptr,
 
 
 @triton.jit
-def _rows_backward(z, g_out, w1, w2, DOT: tl.constexpr):
+def rows_backward(z, g_out, w1, w2, DOT: tl.constexpr):
     """A block's share of (dW1, dW2, dz) from rows z whose outputs M(z) get g_out."""
     pre = tl.dot(z, tl.trans(w2), input_precision=DOT)
     g_pre = tl.dot(g_out, w1, input_precision=DOT) * _slope(pre)
-    g_w1 = tl.dot(tl.trans(g_out), _gelu(pre), input_precision=DOT)
+    g_w1 = tl.dot(tl.trans(g_out), gelu(pre), input_precision=DOT)
     g_w2 = tl.dot(tl.trans(g_pre), z, input_precision=DOT)
     return g_w1, g_w2, tl.dot(g_pre, w2, input_precision=DOT)
 
@@ -184,7 +182,7 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
             w1 = load_tile(w1_ptr_g, o, m, O, M, M)
             col_sq = tl.sum(w1 * w1, 0)
             pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
-            act, slope = _gelu(pre), _slope(pre)
+            act, slope = gelu(pre), _slope(pre)
             g_act = tl.dot(g_pred, w1, input_precision=DOT)
             g_act += load_tile(gact_ptr + cm, t, m, C if HAS_GACT else 0, M, M)
             g_slope = tl.zeros([CP, BLOCK_M], dtype=k.dtype)
@@ -203,10 +201,10 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
             d_w2 = tl.dot(tl.trans(g_pre), k, input_precision=DOT)
             d_k += tl.dot(g_pre, w2, input_precision=DOT)
             if HAS_V:
-                r_w1, r_w2, r_z = _rows_backward(v, g_vhat, w1, w2, DOT)
+                r_w1, r_w2, r_z = rows_backward(v, g_vhat, w1, w2, DOT)
                 d_w1, d_w2, d_v = d_w1 + r_w1, d_w2 + r_w2, d_v + r_z
             if HAS_Q:
-                r_w1, r_w2, r_z = _rows_backward(q, g_read, w1, w2, DOT)
+                r_w1, r_w2, r_z = rows_backward(q, g_read, w1, w2, DOT)
                 d_w1, d_w2, d_q = d_w1 + r_w1, d_w2 + r_w2, d_q + r_z
             store_tile(dw1_ptr + sh * O * M, d_w1, o, m, O, M, M)
             store_tile(dw2_ptr + sh * M * I, d_w2, m, i, M, I, I)
@@ -225,7 +223,7 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
         store_tile(dq_ptr + head * CQ * I, d_q, t, i, CQ, I, I)
 
 
-def _pad(n: int) -> int:
+def pad_size(n: int) -> int:  # tl.dot's smallest tile is 16
     return max(16, triton.next_power_of_2(n))
 
 
@@ -239,8 +237,8 @@ def _sizes(w1: Tensor, k: Tensor, q: Tensor | None, skip: bool) -> dict[str, Any
     if cq > c or gh % heads:
         raise ValueError(f"memory_pass: {cq} queries for {c} keys, {gh} stacked of {heads} heads")
     return {
-        "H": heads, "GH": gh, "C": c, "CQ": cq, "I": i, "O": o, "M": m, "CP": _pad(c),
-        "IP": _pad(i), "OP": _pad(o), "BLOCK_M": min(64, _pad(m)), "DOT": "ieee",
+        "H": heads, "GH": gh, "C": c, "CQ": cq, "I": i, "O": o, "M": m, "CP": pad_size(c),
+        "IP": pad_size(i), "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)), "DOT": "ieee",
     }  # fmt: skip
 
 
@@ -297,108 +295,5 @@ def memory_pass_backward_triton(
         HAS_V=v is not None, HAS_Q=q is not None, HAS_SCALE=scale is not None,
         RESIDUAL=residual, DOT_LOSS=dot,
         **{f: g is not None for f, g in zip(flags, grads, strict=True)}, **sizes,
-    )  # fmt: skip
-    return outs
-
-
-@triton.jit
-def _memory_apply_fwd(w1_ptr, w2_ptr, z_ptr, scale_ptr, out_ptr, H, GH, FIRST, COUNT, T, I, O, M,
-                      HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, TP: tl.constexpr,
-                      IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      DOT: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)  # b * COUNT * H + j
-    b, j = pid // (COUNT * H), pid % (COUNT * H)
-    gh = FIRST * H + j
-    sh = b * GH + gh
-    r, i, o = tl.arange(0, TP), tl.arange(0, IP), tl.arange(0, OP)
-    z = load_tile(z_ptr + (b * H + j % H) * T * I, r, i, T, I, I)
-    out = tl.zeros([TP, OP], dtype=z.dtype)
-    for m0 in range(0, M, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        pre = tl.dot(
-            z, tl.trans(load_tile(w2_ptr + sh * M * I, m, i, M, I, I)), input_precision=DOT
-        )
-        w1 = load_tile(w1_ptr + sh * O * M, o, m, O, M, M)
-        out += tl.dot(_gelu(pre), tl.trans(w1), input_precision=DOT)
-    if HAS_SCALE or RESIDUAL:  # O == I
-        skip = 1.0
-        if HAS_SCALE:
-            skip = tl.load(scale_ptr + gh)
-        out += skip * z
-    store_tile(out_ptr + pid * T * O, out, r, o, T, O, O)
-
-
-@triton.jit
-def _memory_apply_bwd(w1_ptr, w2_ptr, z_ptr, scale_ptr, g_ptr, dw1_ptr, dw2_ptr, dz_ptr,
-                      H, GH, FIRST, COUNT, T, I, O, M,
-                      HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, TP: tl.constexpr,
-                      IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      DOT: tl.constexpr):  # fmt: skip
-    head = tl.program_id(0).to(tl.int64)  # b * H + h; every stacked member of it
-    b, h = head // H, head % H
-    r, i, o = tl.arange(0, TP), tl.arange(0, IP), tl.arange(0, OP)
-    z = load_tile(z_ptr + head * T * I, r, i, T, I, I)
-    d_z = tl.zeros([TP, IP], dtype=z.dtype)
-    for g in range(0, GH // H):
-        sh = b * GH + g * H + h
-        chosen = (g >= FIRST) & (g < FIRST + COUNT)
-        rows = tl.where(chosen, T, 0)  # a member not applied gets zero gradients
-        grad = load_tile(g_ptr + (b * COUNT * H + (g - FIRST) * H + h) * T * O, r, o, rows, O, O)
-        for m0 in range(0, M, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            w2 = load_tile(w2_ptr + sh * M * I, m, i, M, I, I)
-            w1 = load_tile(w1_ptr + sh * O * M, o, m, O, M, M)
-            d_w1, d_w2, share = _rows_backward(z, grad, w1, w2, DOT)
-            d_z += share
-            store_tile(dw1_ptr + sh * O * M, d_w1, o, m, O, M, M)
-            store_tile(dw2_ptr + sh * M * I, d_w2, m, i, M, I, I)
-        if HAS_SCALE or RESIDUAL:  # O == I
-            skip = 1.0
-            if HAS_SCALE:
-                skip = tl.load(scale_ptr + g * H + h)
-            d_z += skip * grad
-    store_tile(dz_ptr + head * T * I, d_z, r, i, T, I, I)
-
-
-def _apply_sizes(w1: Tensor, z: Tensor, skip: bool, first: int, count: int) -> dict[str, Any]:
-    heads, t, i = z.shape[1:]
-    gh, o, m = w1.shape[1:]
-    if skip and o != i:
-        raise ValueError(f"memory_apply: a residual memory needs d_out = d_in, got {o} != {i}")
-    if gh % heads or not 0 <= first < first + count <= gh // heads:
-        raise ValueError(f"memory_apply: members {first}..{first + count} of {gh // heads}")
-    return {
-        "H": heads, "GH": gh, "FIRST": first, "COUNT": count, "T": t, "I": i, "O": o, "M": m,
-        "TP": _pad(t), "IP": _pad(i), "OP": _pad(o), "BLOCK_M": min(64, _pad(m)), "DOT": "ieee",
-    }  # fmt: skip
-
-
-def memory_apply_triton(
-    w1: Tensor, w2: Tensor, z: Tensor, scale: Tensor | None, residual: bool, first: int,
-    count: int,
-) -> Tensor:  # fmt: skip
-    """``hope::memory_apply`` in one kernel launch."""
-    sizes = _apply_sizes(w1, z, scale is not None or residual, first, count)
-    b, heads, t, _ = z.shape
-    zf = flat_heads(z)
-    out = w1.new_empty(b, count * heads, t, w1.shape[-2])
-    _memory_apply_fwd[(b * count * heads,)](
-        flat_heads(w1), flat_heads(w2), zf, zf if scale is None else scale.to(w1.dtype), out,
-        HAS_SCALE=scale is not None, RESIDUAL=residual, **sizes,
-    )  # fmt: skip
-    return out
-
-
-def memory_apply_backward_triton(
-    w1: Tensor, w2: Tensor, z: Tensor, scale: Tensor | None, residual: bool, first: int,
-    count: int, grad: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``hope::memory_apply_backward`` in one kernel launch."""
-    sizes = _apply_sizes(w1, z, scale is not None or residual, first, count)
-    zf = flat_heads(z)
-    outs = (w1.new_empty(w1.shape), w1.new_empty(w2.shape), w1.new_empty(z.shape))
-    _memory_apply_bwd[(z.shape[0] * z.shape[1],)](
-        flat_heads(w1), flat_heads(w2), zf, zf if scale is None else scale.to(w1.dtype),
-        flat_heads(grad), *outs, HAS_SCALE=scale is not None, RESIDUAL=residual, **sizes,
     )  # fmt: skip
     return outs
