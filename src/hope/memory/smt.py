@@ -5,7 +5,7 @@ MLP memories M_k, M_v, M_q, M_eta, M_alpha, M_mem (M_q only with
 ``smt_adaptive_q``) are per-sample fast state; their initial states are meta
 parameters. Per chunk of C_o tokens, with the chunk-start states:
 
-  k = norm(M_k(x~)), v = M_v(x~), q = norm(x~ W_q)    (eq. 83; adaptive q: M_q)
+  k = norm(M_k(x~)), v = norm(M_v(x~)), q = norm(x~ W_q)   (eq. 83; adaptive: M_q)
   eta = s_eta softplus(M_eta(x~)), alpha = sigmoid(M_alpha(x~) + b_alpha)
   o = M_mem(q)                                         (eq. 94; read before write)
   v_hat_m = M_m(v); DGD write of every memory m          (eqs. 84, 88)
@@ -17,10 +17,7 @@ pending, as are the C_o chunks since M_mem's last write; a later call completes
 and writes them. So chained calls equal one call at any split, token by token
 included, in outputs and in states.
 
-Throughput mode (``smt_read_chunk`` = R < C_o = C_m; ``smt_frozen``, MECHANISMS
-§8.2): a C_o chunk is a segment whose generation and inner gradients stay at its
-start state while M_mem is read every R tokens at the state the segment's earlier
-tokens wrote; all those states come from one batched write.
+Throughput mode (``smt_read_chunk`` = R < C_o = C_m): ``memory/smt_frozen.py``.
 
 Outer gradients (``write_grad``): ``full`` keeps every write in the graph, so
 all initial states, W_q, the conv, b_alpha and W_o are meta-learned (Ti-style);
@@ -53,10 +50,11 @@ from hope.memory.residual_mlp import (
     repeat_heads,
     stacked_apply,
 )
-from hope.memory.smt_frozen import frozen_segment, read_spans
+from hope.memory.smt_frozen import frozen_segment, segment_reads
 from hope.memory.smt_state import (
     CallPlan,
     ChunkCarry,
+    ChunkInputs,
     Generated,
     MemoryGroup,
     SMTState,
@@ -180,16 +178,20 @@ class SelfModifyingTitans(nn.Module):
         plan: tuple[MemoryGroup, ...] | None = None,
         writes_need_grad: bool = True,
         backend: str | None = None,
+        query: Tensor | None = None,
     ) -> Generated:
         """Eq. 83 with the chunk-start states. ``stacks`` maps each group's key to
         its stacked state; the default (per-memory) plan takes the memories dict.
         ``writes_need_grad=False``: k, v, eta, alpha feed only writes whose graph is
-        not needed (pass A), so they are made without one; q keeps its graph."""
+        not needed (pass A), so they are made without one; q keeps its graph.
+        ``query``: xc W_q when the caller has it (fixed q)."""
         adaptive_q = self.w_q is None
+        if query is None and self.w_q is not None:
+            query = xc @ self.w_q
         gens = [g for g in plan or () if g.generators]
         if backend == "fused" and len(gens) == 1:  # one operator for M(x), one for the rest
             fast, residual = stacks[gens[0].key], self._residual(gens[0])
-            spec = (self.w_q, self.alpha_bias, self.cfg.eta_scale, writes_need_grad or adaptive_q)
+            spec = (query, self.alpha_bias, self.cfg.eta_scale, writes_need_grad or adaptive_q)
             return generate_stacked(fast, gens[0], residual, xc, *spec)
         with torch.set_grad_enabled(torch.is_grad_enabled() and (writes_need_grad or adaptive_q)):
             raw: dict[str, Tensor] = {}
@@ -209,8 +211,7 @@ class SelfModifyingTitans(nn.Module):
             # gather the block in bf16): log(alpha) and the C x C solve need it.
             work = next(iter(stacks.values())).w1.dtype
             alpha = torch.sigmoid(raw["alpha"].squeeze(-1).to(work) + self.alpha_bias[:, None])
-        query = raw["q"] if self.w_q is None else xc @ self.w_q
-        return Generated(k, v, unit_rows(query, backend), eta, alpha)
+        return Generated(k, v, unit_rows(raw["q"] if query is None else query, backend), eta, alpha)
 
     def _read(self, fast: FastWeights, group: MemoryGroup, q: Tensor, backend: str) -> Tensor:
         """o = M_mem(q) (eq. 94); M_mem is the last member of its group."""
@@ -264,30 +265,6 @@ class SelfModifyingTitans(nn.Module):
                 read = out if fused else read
         return cast(Tensor, read)
 
-    def _frozen(
-        self,
-        stacks: dict[str, FastWeights],
-        loop: CallPlan,
-        gen: Generated,
-        at: tuple[int, int, int],
-        complete: bool = False,
-    ) -> tuple[Tensor, FastWeights | None]:
-        """M_mem's reads of the segment's new tokens and, when ``complete``, its state
-        after the segment (``smt_frozen``). ``at``: (segment offset and call index of
-        the first new token, the carry's ``live_from``)."""
-        cfg = self.cfg
-        read_chunk = cast(int, cfg.read_chunk)
-        first, start, live_from = at
-        spans = read_spans(
-            first, gen.length, read_chunk, cfg.write_grad == "stopgrad", loop.pieces,
-            start - first, live_from,
-        )  # fmt: skip
-        flush = loop.flush  # all memories stacked, or M_mem alone (naive oracle)
-        return loop.segment(
-            stacks[flush.key], gen, spans, complete, read_chunk, cfg.objective,
-            cfg.precondition, loop.backend, self._residual(flush), len(flush.names),
-        )  # fmt: skip
-
     def forward(
         self,
         x: Tensor,
@@ -314,6 +291,8 @@ class SelfModifyingTitans(nn.Module):
             assert tail is not None
             x, tail = self.conv(x, tail, pieces)
         heads = x.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
+        # x~ W_q for every token at once (a token's fixed query depends on it alone).
+        queries = None if self.w_q is None else heads @ self.w_q
         plan, smt = self._plan(backend), SelfModifyingTitans
         steps = (smt._generate, smt._write, frozen_segment)
         loop = CallPlan.build(plan, backend, seq, pieces, steps)
@@ -325,10 +304,12 @@ class SelfModifyingTitans(nn.Module):
         )  # fmt: skip
         sizes = chunk_sizes(state.partial.length, seq, self.cfg.chunk)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        chunks = list(zip(starts, heads.split(sizes, dim=2), strict=True))
+        cuts = [heads.split(sizes, dim=2), [None] * len(sizes)]
+        cuts[1] = cuts[1] if queries is None else list(queries.split(sizes, dim=2))
+        chunks = list(zip(starts, zip(*cuts, strict=True), strict=True))
 
-        def step(carry: ChunkCarry, start: int, xc: Tensor) -> tuple[ChunkCarry, Tensor]:
-            return self._chunk_step(carry, start, xc, loop)
+        def step(carry: ChunkCarry, start: int, xq: ChunkInputs) -> tuple[ChunkCarry, Tensor]:
+            return self._chunk_step(carry, start, xq, loop)
 
         carry, reads = run_chunks(step, carry, chunks, self.policy, pieces)
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
@@ -344,10 +325,12 @@ class SelfModifyingTitans(nn.Module):
         return self.w_o(out), new_state
 
     def _chunk_step(
-        self, start_carry: ChunkCarry, start: int, xc: Tensor, loop: CallPlan
+        self, start_carry: ChunkCarry, start: int, xq: ChunkInputs, loop: CallPlan
     ) -> tuple[ChunkCarry, Tensor]:
         """One C_o chunk: generate (eq. 83), read (eq. 94), write (eq. 88). Returns the
-        new carry (``start_carry`` is left as it was) and the read o [B, H, C_o, d_h]."""
+        new carry (``start_carry`` is left as it was) and the read o [B, H, C_o, d_h].
+        ``xq``: the chunk's x~ and x~ W_q (None with an adaptive query)."""
+        xc, query = xq
         pieces, plan, flush, backend = loop.pieces, loop.plan, loop.flush, loop.backend
         carry = start_carry.copy()
         stop = start + xc.shape[2]
@@ -358,21 +341,23 @@ class SelfModifyingTitans(nn.Module):
         )
         stacks = carry.stacks
         # Frozen reads take k, v, eta, alpha through M_mem's in-segment states.
-        fresh = loop.generate(self, stacks, xc, plan, keep or self.cfg.frozen, loop.backend)
+        fresh = loop.generate(self, stacks, xc, plan, keep or self.cfg.frozen, backend, query)
         held = carry.partial
         gen = fresh if held is None else join_generated([held, fresh])
         at = (gen.length - fresh.length, start, carry.live_from)  # for frozen reads
         if gen.length < self.cfg.chunk:  # read now; written once a later call completes it
             carry.partial = gen
             if self.cfg.frozen:
-                return carry, self._frozen(stacks, loop, gen, at)[0]
+                mem_stack = (stacks[flush.key], self._residual(flush))
+                return carry, segment_reads(self.cfg, loop, mem_stack, gen, at)[0]
             return carry, self._read(stacks[flush.key], flush, fresh.q, backend)
         carry.partial = None
         if self.cfg.frozen:  # the chunk is a segment: M_mem read every R tokens inside it
             with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
                 for group in plan[:-1]:
                     stacks[group.key] = loop.write(self, stacks[group.key], group, gen, backend)[0]
-            read, final = self._frozen(stacks, loop, gen, at, complete=True)
+            mem_stack = (stacks[flush.key], self._residual(flush))
+            read, final = segment_reads(self.cfg, loop, mem_stack, gen, at, complete=True)
             assert final is not None
             stacks[flush.key] = final if keep else final.detach()
         elif self.cfg.chunk == self.cfg.mem_chunk:  # every group written every chunk

@@ -26,12 +26,13 @@ write); in teach pass A a read keeps the paths from tokens of its own piece only
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from hope.memory.config import SMTConfig
 from hope.memory.ops.dispatch import dgd_write
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import (
@@ -43,7 +44,7 @@ from hope.memory.residual_mlp import (
     mlp_apply,
     repeat_heads,
 )
-from hope.memory.smt_state import Generated, bounded_eta
+from hope.memory.smt_state import CallPlan, Generated, bounded_eta
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,32 @@ def frozen_segment(
         return reads, None
     last = (states.w1, states.w2, states.m1, states.m2)
     return reads, FastWeights(*(t[:, reads_n:] for t in last))
+
+
+def segment_reads(
+    cfg: SMTConfig,
+    loop: CallPlan,
+    held: tuple[FastWeights, Residual],
+    gen: Generated,
+    at: tuple[int, int, int],
+    complete: bool = False,
+) -> tuple[Tensor, FastWeights | None]:
+    """M_mem's reads of the segment's new tokens and, when ``complete``, the stack's
+    state after the segment (``frozen_segment``). ``held``: the stack holding M_mem
+    (``loop.flush``: all memories, or M_mem alone in the naive oracle) and its
+    residual flags; ``at``: (segment offset and call index of the first new token, the
+    carry's ``live_from``)."""
+    read_chunk = cast(int, cfg.read_chunk)
+    first, start, live_from = at
+    spans = read_spans(
+        first, gen.length, read_chunk, cfg.write_grad == "stopgrad", loop.pieces,
+        start - first, live_from,
+    )  # fmt: skip
+    fast, residual = held
+    return loop.segment(
+        fast, gen, spans, complete, read_chunk, cfg.objective, cfg.precondition,
+        loop.backend, residual, len(loop.flush.names),
+    )  # fmt: skip
 
 
 def _last_heads(t: Tensor | list[Tensor], heads: int) -> Any:

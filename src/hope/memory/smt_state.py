@@ -103,6 +103,7 @@ class MemoryGroup:
 
 
 FIELDS = ("k", "v", "q", "eta", "alpha")
+ChunkInputs = tuple[Tensor, Tensor | None]  # a chunk's x~ [B, H, C, d_h] and x~ W_q
 
 
 def join_generated(pending: list[Generated]) -> Generated:
@@ -134,7 +135,7 @@ def generate_stacked(
     group: MemoryGroup,
     residual: Residual,
     xc: Tensor,
-    w_q: Tensor | None,
+    query: Tensor | None,
     alpha_bias: Tensor,
     eta_scale: float,
     with_graph: bool,
@@ -142,11 +143,11 @@ def generate_stacked(
     """Eq. 83 (``SelfModifyingTitans._generate``) from one stacked group holding every
     generating memory as its first members, under the memory backend ``fused``: their
     outputs on xc [B, H, C, d_h] in one ``hope::memory_apply``, the normalisations and
-    gates in one ``hope::smt_generation``. ``with_graph``: whether the memories' outputs
-    keep their graph (the query x W_q always does)."""
+    gates in one ``hope::smt_generation``. ``query``: xc W_q, or None when M_q generates
+    q. ``with_graph``: whether the memories' outputs keep their graph (x W_q's does)."""
     with torch.set_grad_enabled(torch.is_grad_enabled() and with_graph):
         raw = stacked_apply(fast.w1, fast.w2, xc, residual, 0, len(group.generators), True)
-    query = None if w_q is None else (xc @ w_q).to(raw.dtype)
+    query = None if query is None else query.to(raw.dtype)
     bias = alpha_bias.to(raw.dtype)
     return Generated(*smt_generation(raw, query, bias, eta_scale))  # type: ignore[misc]
 
