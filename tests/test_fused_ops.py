@@ -419,6 +419,28 @@ def test_triton_kernels_equal_the_pytorch_forms_in_the_interpreter() -> None:
     _check_errors(_run_worker("cpu", {"TRITON_INTERPRET": "1"}), fp32_tol=5e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is installed with the dev extra")
+def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
+    """Every kernel, in every flag combination the parity tests launch, compiled by
+    Triton's CUDA backend for sm_90 to PTX and a cubin on this CPU (~1 min)."""
+    out = subprocess.run(
+        [sys.executable, str(TESTS / "triton_compile.py")],
+        env={**os.environ, "PYTHONPATH": str(TESTS), "TRITON_DEFAULT_FP_FUSION": "1"},
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    kernels = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = {
+        "_dgd_chunk_fwd", "_dgd_chunk_bwd", "_momentum_fwd", "_momentum_bwd", "_normalize",
+        "_overshoot", "_memory_pass_fwd", "_memory_pass_bwd", "_memory_apply_fwd",
+        "_memory_apply_bwd", "_generation_fwd", "_generation_bwd",
+    }  # fmt: skip
+    assert set(kernels) == expected
+    for name, info in kernels.items():
+        assert info["variants"] >= 1 and info["ptx_bytes"] > 10_000, (name, info)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
     _check_errors(_run_worker("cuda", {}), fp32_tol=5e-5)

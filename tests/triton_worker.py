@@ -208,9 +208,11 @@ def generation_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
-def main(device: str) -> dict[str, float]:
+def main(
+    device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
+) -> dict[str, float]:
     errors: dict[str, float] = {}
-    for dtype in (torch.float64, torch.float32):
+    for dtype in dtypes:
         for c, i, m, o in SHAPES:
             x = inputs(c, i, m, o, dtype, device)
             w1, w2, k, e, a, d, eta, alpha, w2k = x
