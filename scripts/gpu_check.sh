@@ -75,7 +75,9 @@ part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_sync
 # without code generation, which takes minutes per graph set on its 2 cores).
 part compile_parity 180 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
   tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
-part fused_parity 240 python -m pytest -q -p no:cacheprovider -rs tests/test_fused_ops.py
+# The interpreter and sm_90-compile checks ran on CPU in CI: here, the kernels on CUDA.
+part fused_parity 240 python -m pytest -q -p no:cacheprovider -rs tests/test_fused_ops.py \
+  -m "not slow" -k "not interpreter"
 # FLA parity needs the fla package, which the project does not depend on (and the GPU
 # machine may have no network to fetch it): run it where it imports, say so where not.
 if python -c 'import fla' 2>/dev/null; then

@@ -25,9 +25,12 @@ Backends:
   Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
   closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); the
   Titans memory's momentum write likewise (``hope::momentum_chunk``); every chunk's
-  overshoot bound (``overshoot``) as one operator instead of ~30, the SMT's
-  normalised keys, values and queries (``unit_rows``) and the memories' gelu′
-  (``chunk_pass(fused=True)``; both in ``pointwise.py``). The other
+  overshoot bound (``overshoot``) and the SMT's bounded step (``bounded_step``) as
+  one operator instead of ~30; a memory's chunk-start pass
+  (``residual_mlp.chunk_pass(fused=True)``: ``memory_pass.py``), stacked memories on a
+  shared input (``residual_mlp.stacked_apply``: ``memory_apply.py``), the SMT's
+  generation epilogue (``smt_state.generate_stacked``: ``generation.py``) and the
+  normalisation ``unit_rows`` (``pointwise.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
