@@ -86,6 +86,33 @@ def momentum_errors(
     }
 
 
+def shared_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """The DGD write with k and alpha shared by two stacked members, and the bounded
+    step with a shared eta, against the PyTorch forms on per-member copies."""
+    w1, w2, k, e, a, d, eta, alpha, w2k = inputs(12, 16, 40, 16, dtype, device)
+    twice = [torch.cat([t, 0.7 * t.flip(-1)], dim=1) for t in (w1, w2, e, a, d, w2k)]
+    eta2 = torch.cat([eta, eta.flip(-1)], dim=1)
+    shared = (*twice[:2], k, *twice[2:5], eta2, alpha, twice[5])
+    copies = (*twice[:2], k.repeat(1, 2, 1, 1), *twice[2:5], eta2, alpha.repeat(1, 2, 1),
+              twice[5])  # fmt: skip
+    want = chunk_dgd_update(*copies[:2], *copies[:2], *copies[2:8], True, 0.0, copies[8])
+    name = f"shared_{str(dtype).removeprefix('torch.')}"
+    errors = {f"{name}_forward": worst(dgd_chunk_triton(*shared), want)}
+    gen = torch.Generator().manual_seed(9)
+    g_w1, g_w2 = (rand_like(t, gen) for t in want[:2])
+    errors[f"{name}_backward"] = worst(
+        dgd_chunk_backward_triton(shared, g_w1, g_w2, None, None),
+        dgd_chunk_backward_reference(shared, g_w1, g_w2, None, None),
+    )
+    act = torch.randn(2, 6, 12, 24, generator=gen, dtype=torch.float64)
+    kernel = (act @ act.transpose(-1, -2)).abs().to(device, dtype)
+    step = (0.1 * torch.rand(2, 3, 12, generator=gen, dtype=torch.float64)).to(device, dtype)
+    rho = overshoot_ratio(kernel, step.repeat(1, 2, 1))
+    bounded = (step.repeat(1, 2, 1) / (1.0 + rho.unsqueeze(-1)), 1.0 / (1.0 + rho))
+    errors[f"{name}_bounded"] = worst(bounded_step_triton(kernel, step), bounded)
+    return errors
+
+
 def normalize_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, float]:
     """Rows of 37 (several blocks, a partial one), one zero and one tiny row."""
     gen = torch.Generator().manual_seed(width)
@@ -227,6 +254,7 @@ def main(
                 got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
                 ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
                 errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
+        errors |= shared_errors(dtype, device)
         for c, i, m, o in SHAPES:
             errors |= momentum_errors(c, i, m, o, dtype, device)
         for width in (12, 64, 1):

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from hope.layers import gelu_prime
 from hope.memory.ops.memory_apply import memory_apply
 from hope.memory.ops.memory_pass import memory_pass
+from hope.memory.ops.stacking import repeat_heads
 
 Objective = Literal["l2", "dot"]
 # Residual-ness of a memory: a bool, or a [1, G*H, 1, 1] 0/1 scale when memories with
@@ -70,11 +71,6 @@ class GradFactors:
     a: Tensor  # [B, H, T, h_m]    hidden activation gelu(W2 k)
     d: Tensor  # [B, H, T, h_m]    back-propagated hidden error
     pre: Tensor  # [B, H, T, h_m]  pre-activation W2 k (the DGD preconditioner reuses it)
-
-
-def repeat_heads(t: Tensor, n: int) -> Tensor:
-    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
-    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
 
 
 def mlp_hidden(w2: Tensor, z: Tensor) -> Tensor:
@@ -290,7 +286,9 @@ class ChunkPass:
     read: Tensor | None  # [B, H, C, d_out]  M(q), when queries were given
     # [B, H, C, C] ``chunk_kernel_bound`` at k, without a graph (a stabiliser's input)
     coupling: Tensor
-    keys: Tensor  # [B, H, C, d_in]  k, one copy per stacked member (the write's keys)
+    # k as the write takes it: one copy per stacked member [B, H, C, d_in], or (fused)
+    # shared by them [B, H_in, C, d_in] (``dispatch.dgd_write`` reads either)
+    keys: Tensor
 
 
 def chunk_pass(
@@ -361,7 +359,7 @@ def _fused_pass(
     factors = GradFactors(e=err, a=act, d=hidden_err, pre=pre)
     return ChunkPass(
         v_hat if target is None else target, factors, curvature,
-        None if q is None else read, coupling.detach(), repeat_heads(k, members),
+        None if q is None else read, coupling.detach(), k,
     )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from hope.memory.chunk_loop import LoopPolicy, chunk_sizes, run_chunks
 from hope.memory.config import SMTConfig
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.ops.dispatch import dgd_write, resolve_backend, unit_rows
+from hope.memory.ops.stacking import repeat_heads
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -47,7 +48,6 @@ from hope.memory.residual_mlp import (
     Residual,
     chunk_pass,
     mlp_apply,
-    repeat_heads,
     stacked_apply,
 )
 from hope.memory.smt_frozen import frozen_segment, segment_reads
@@ -228,7 +228,6 @@ class SelfModifyingTitans(nn.Module):
         """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha.
         ``read``: also o = M_mem(q) from the same chunk-start state (read before write)."""
         n = len(group.names)
-        eta, alpha = (repeat_heads(t, n) for t in (gen.eta, gen.alpha))
         residual = self._residual(group)
         # v_hat = M(v) with each member's chunk-start state (eq. 84): a constant of the
         # inner gradient (the factors treat it so) but in the outer graph, M_v's only
@@ -239,7 +238,7 @@ class SelfModifyingTitans(nn.Module):
             residual, fused=backend == "fused", members=n,
         )  # fmt: skip
         new = dgd_write(
-            fast, step.keys, step.target, bounded_eta(eta, step.coupling, backend), alpha,
+            fast, step.keys, step.target, bounded_eta(gen.eta, step.coupling, backend), gen.alpha,
             objective=self.cfg.objective, residual=residual,
             precondition=self.cfg.precondition, momentum=self.cfg.momentum,
             backend=backend, factors=step.factors,

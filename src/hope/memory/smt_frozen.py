@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from hope.memory.config import SMTConfig
 from hope.memory.ops.dispatch import dgd_write
+from hope.memory.ops.stacking import repeat_heads
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -42,7 +43,6 @@ from hope.memory.residual_mlp import (
     Residual,
     chunk_pass,
     mlp_apply,
-    repeat_heads,
 )
 from hope.memory.smt_state import CallPlan, Generated, bounded_eta
 
@@ -207,7 +207,8 @@ def frozen_segment(
     )  # fmt: skip
     fac = step.factors
     stack = _WriteInputs(
-        [fast.w1, fast.w2, fast.m1, fast.m2], step.keys, step.target,
+        [fast.w1, fast.w2, fast.m1, fast.m2],
+        repeat_heads(step.keys, fast.w1.shape[1] // step.keys.shape[1]), step.target,
         [fac.e, fac.a, fac.d, fac.pre], repeat_heads(gen.eta, members),
         repeat_heads(gen.alpha, members), step.coupling,
     )  # fmt: skip

@@ -53,9 +53,11 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
-from hope.memory.ops.fused import bounded_step_op, dgd_chunk, momentum_chunk, overshoot_ratio_op
+from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
+from hope.memory.ops.overshoot import bounded_step_op, overshoot_ratio_op
 from hope.memory.ops.pointwise import l2_normalize
+from hope.memory.ops.stacking import repeat_heads
 from hope.memory.residual_mlp import (
     FastWeights,
     GradFactors,
@@ -157,10 +159,12 @@ def overshoot(kernel: Tensor, step: Tensor, backend: str | None = None) -> Tenso
 
 
 def bounded_step(kernel: Tensor, eta: Tensor, backend: str | None = None) -> Tensor:
-    """eta / (1 + rho), rho = ``overshoot_ratio`` of the kernel bound [B, H, C, C] and eta
-    [B, H, C] without a gradient (``smt_state.bounded_eta``); one operator under ``fused``."""
+    """eta / (1 + rho), rho = ``overshoot_ratio`` of the kernel bound [B, G*H, C, C] and
+    eta [B, G*H or H, C] (shared by G stacked members) without a gradient
+    (``smt_state.bounded_eta``); one operator under ``fused``. -> [B, G*H, C]."""
     if resolve_backend(backend) == "fused":
         return bounded_step_op(kernel.detach(), eta)[0]  # type: ignore[no-any-return]
+    eta = repeat_heads(eta, kernel.shape[1] // eta.shape[1])
     rho = overshoot_ratio(kernel, eta.detach())
     return eta / (1.0 + rho.unsqueeze(-1))
 
@@ -181,12 +185,15 @@ def dgd_write(
 ) -> FastWeights:
     """One chunk's DGD write of a self-modifying memory (NL-arXiv eq. 88).
 
-    k [B,H,C,I] keys, target [B,H,C,O] self-generated v_hat, eta/alpha [B,H,C].
+    k [B,H,C,I] keys, target [B,H,C,O] self-generated v_hat, eta/alpha [B,H,C]; with G
+    memories stacked in ``fast`` (H = G*H_k) k and alpha may be shared, [B,H_k,...].
     Gradients are taken at ``fast`` (the chunk-start state). ``factors``: the
     caller's ``grad_factors(fast.w1, fast.w2, k, target, ...)`` when it already
     has them (the naive backend ignores them and differentiates by autograd).
     """
     name = resolve_backend(backend)
+    if not (name == "fused" and precondition and not momentum):  # copies per member
+        k, alpha = (repeat_heads(t, fast.w1.shape[1] // t.shape[1]) for t in (k, alpha))
     if name == "naive":
         if not isinstance(residual, bool):
             raise ValueError("the naive backend writes one memory per call (residual: bool)")

@@ -1,8 +1,7 @@
 """Memory-write steps as single operators (backend ``fused``): the SMT's DGD chunk write
 with a closed-form backward (NL-arXiv eq. 88, MECHANISMS §8.1), the Titans memory's
 momentum chunk write likewise (``hope::momentum_chunk``, Ti eqs. 13-14 chunked per eqs.
-16-18), and the overshoot bound every chunked write divides its steps by
-(``hope::overshoot_ratio``, no gradient: a stabiliser's input).
+16-18). (The overshoot bound their steps are divided by: ``overshoot.py``.)
 
 ``chunk_dgd_update`` (``memory/ops/chunk.py``) differentiated by autograd launches
 about 37 kernels forward and 76 backward per chunk and memory group (the C x C decay
@@ -32,7 +31,7 @@ import torch
 from torch import Tensor
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
-from hope.memory.residual_mlp import overshoot_ratio
+from hope.memory.ops.stacking import repeat_heads, sum_members
 
 _Grads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -51,7 +50,31 @@ def dgd_chunk_backward_reference(
 ) -> _Grads:
     """Gradients of (W1', W2', inc1, inc2) = ``dgd_chunk`` with respect to its inputs
     (w1, w2, k, e, a, d, eta, alpha, w2k), in PyTorch ops (module docstring). A None
-    increment gradient is zero (the increments feed only a momentum, absent here)."""
+    increment gradient is zero (the increments feed only a momentum, absent here).
+    k and alpha shared by stacked members get their gradients summed over them."""
+    heads = (inputs[2].shape[1], inputs[7].shape[1])
+    w1, w2, k, e, a, d, eta, alpha, w2k = _per_member(inputs)
+    grads = _dgd_grads((w1, w2, k, e, a, d, eta, alpha, w2k), g_w1, g_w2, g_inc1, g_inc2)
+    d_k, d_alpha = sum_members(grads[2], heads[0]), sum_members(grads[7], heads[1])
+    return (*grads[:2], d_k, *grads[3:7], d_alpha, grads[8])
+
+
+def _per_member(inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``dgd_chunk``'s inputs with k and alpha repeated to every stacked member."""
+    w1, w2, k, e, a, d, eta, alpha, w2k = inputs
+    stacked = w1.shape[1]
+    k, alpha = (repeat_heads(t, stacked // t.shape[1]) for t in (k, alpha))
+    return w1, w2, k, e, a, d, eta, alpha, w2k
+
+
+def _dgd_grads(
+    inputs: tuple[Tensor, ...],
+    g_w1: Tensor,
+    g_w2: Tensor,
+    g_inc1: Tensor | None,
+    g_inc2: Tensor | None,
+) -> _Grads:
+    """``dgd_chunk_backward_reference`` with every input per stacked member."""
     w1, w2, k, e, a, d, eta, alpha, w2k = inputs
     n = k.shape[-2]
     log_keep = torch.log(alpha)
@@ -133,11 +156,14 @@ def dgd_chunk(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(W1', W2', inc1, inc2) of one preconditioned DGD chunk without momentum: the
     values of ``chunk_dgd_update(..., precondition=True, momentum=0, w2k=w2k)`` (its
-    m1, m2 are the increments)."""
+    m1, m2 are the increments). k [B, H_k, C, I] and alpha [B, H_k, C] may be shared by
+    the G stacked members of w1 [B, G*H_k, ...] (member g's head g*H_k + h reads head
+    h): the SMT's memories written from one chunk share them, not copies."""
     if _uses_triton(k):
         from hope.memory.ops.triton_kernels import dgd_chunk_triton  # CUDA builds ship Triton
 
         return dgd_chunk_triton(w1, w2, k, e, a, d, eta, alpha, w2k)
+    w1, w2, k, e, a, d, eta, alpha, w2k = _per_member((w1, w2, k, e, a, d, eta, alpha, w2k))
     # Momentum 0 never reads m1, m2: the weights stand in for them.
     out = chunk_dgd_update(w1, w2, w1, w2, k, e, a, d, eta, alpha, True, 0.0, w2k)
     return out[0], out[1], out[2], out[3]
@@ -196,55 +222,6 @@ def _backward(ctx: Any, *grads: Tensor | None) -> _Grads:
 
 
 dgd_chunk.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("hope::overshoot_ratio", mutates_args=())
-def overshoot_ratio_op(kernel: Tensor, step: Tensor) -> Tensor:
-    """``residual_mlp.overshoot_ratio`` (kernel [B, H, C, C] >= 0, step [B, H, C] -> rho
-    [B, H]) in one launch: the ~30 ops of its power iterations in one Triton kernel on
-    CUDA. Its inputs carry no gradient (callers detach them)."""
-    if _uses_triton(kernel):
-        from hope.memory.ops.triton_kernels import overshoot_ratio_triton
-
-        return overshoot_ratio_triton(kernel, step)
-    return overshoot_ratio(kernel, step)
-
-
-@overshoot_ratio_op.register_fake
-def _(kernel: Tensor, step: Tensor) -> Tensor:
-    return kernel.new_empty(kernel.shape[:-2])
-
-
-@torch.library.custom_op("hope::bounded_step", mutates_args=())
-def bounded_step_op(kernel: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
-    """(eta / (1 + rho), 1 / (1 + rho)) with rho = ``overshoot_ratio(kernel, eta)`` [B, H]
-    not differentiated (``smt_state.bounded_eta``): the bound and the division in one
-    launch (one Triton kernel on CUDA). kernel [B, H, C, C] carries no gradient."""
-    if _uses_triton(kernel):
-        from hope.memory.ops.triton_kernels import bounded_step_triton
-
-        return bounded_step_triton(kernel, eta)
-    denominator = 1.0 + overshoot_ratio(kernel, eta)
-    return eta / denominator.unsqueeze(-1), 1.0 / denominator
-
-
-@bounded_step_op.register_fake
-def _(kernel: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(eta), eta.new_empty(eta.shape[:-1])
-
-
-def _bounded_setup(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, Tensor]) -> None:
-    ctx.save_for_backward(output[1])
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)
-
-
-def _bounded_backward(ctx: Any, grad: Tensor | None, _gain: Tensor | None) -> tuple[Any, ...]:
-    (gain,) = ctx.saved_tensors
-    return None, None if grad is None else grad * gain.unsqueeze(-1)
-
-
-bounded_step_op.register_autograd(_bounded_backward, setup_context=_bounded_setup)
 
 
 _MomentumGrads = tuple[Tensor, ...]

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.layers import gelu_prime
+from hope.memory.ops.stacking import repeat_heads, sum_members
 
 
 def _chosen(w1: Tensor, heads: int, first: int, count: int) -> slice:
@@ -42,7 +43,7 @@ def memory_apply_reference(
 ) -> Tensor:  # fmt: skip
     """The forward in PyTorch ops; -> [B, count*H, T, O]."""
     part = _chosen(w1, z.shape[1], first, count)
-    zz = z.repeat(1, count, 1, 1)
+    zz = repeat_heads(z, count)
     out = F.gelu(zz @ w2[:, part].mT) @ w1[:, part].mT
     return out + _skip(scale, residual, w1, part) * zz
 
@@ -54,14 +55,14 @@ def memory_apply_backward_reference(
     """d(w1, w2, z) of ``memory_apply`` given d(out) ``grad``, in PyTorch ops."""
     heads = z.shape[1]
     part = _chosen(w1, heads, first, count)
-    zz = z.repeat(1, count, 1, 1)
+    zz = repeat_heads(z, count)
     pre = zz @ w2[:, part].mT
     g_pre = (grad @ w1[:, part]) * gelu_prime(pre)
     g_w1, g_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
     g_w1[:, part] = grad.mT @ F.gelu(pre)
     g_w2[:, part] = g_pre.mT @ zz
     g_zz = g_pre @ w2[:, part] + _skip(scale, residual, w1, part) * grad
-    return g_w1, g_w2, g_zz.reshape(z.shape[0], count, *z.shape[1:]).sum(1)
+    return g_w1, g_w2, sum_members(g_zz, z.shape[1])
 
 
 @torch.library.custom_op("hope::memory_apply", mutates_args=())

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.layers import gelu_prime
+from hope.memory.ops.stacking import repeat_heads, sum_members
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 # (v_hat, read, E, A, D, pre, curvature, back_sq, coupling)
@@ -50,10 +51,7 @@ def _members(w1: Tensor, k: Tensor) -> int:
 
 
 def _stacked(t: Tensor | None, members: int) -> Tensor | None:
-    """[B, H, ...] -> [B, G*H, ...] (member g's copy at heads g*H ... g*H + H - 1)."""
-    if t is None or members == 1:
-        return t
-    return t.repeat(1, members, *([1] * (t.dim() - 2)))
+    return None if t is None else repeat_heads(t, members)
 
 
 def _skip(scale: Tensor | None, residual: bool, like: Tensor) -> Tensor | float:
@@ -103,9 +101,7 @@ def memory_pass_reference(
 
 
 def _sum_members(t: Tensor | None, heads: int) -> Tensor | None:
-    if t is None or t.shape[1] == heads:
-        return t
-    return t.reshape(t.shape[0], -1, heads, *t.shape[2:]).sum(1)
+    return None if t is None else sum_members(t, heads)
 
 
 def memory_pass_backward_reference(

@@ -82,18 +82,19 @@ def _chunk_terms(k_ptr, eta_ptr, alpha_ptr, C, I, CP: tl.constexpr, IP: tl.const
 
 @triton.jit
 def _dgd_chunk_fwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_ptr, w2k_ptr,
-                   w1_out, w2_out, inc1_out, inc2_out, C, I, O, M,
+                   w1_out, w2_out, inc1_out, inc2_out, C, I, O, M, GH, HK,
                    CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
                    SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
-    k_ptr += bh * C * I
+    kh = bh // GH * HK + bh % GH % HK  # k and alpha: per member, or shared (HK = H)
+    k_ptr += kh * C * I
     e_ptr += bh * C * O
     a_ptr += bh * C * M
     d_ptr += bh * C * M
     w2k_ptr += bh * C * M
     w1_off = bh * O * M
     w2_off = bh * M * I
-    terms = _chunk_terms(k_ptr, eta_ptr + bh * C, alpha_ptr + bh * C, C, I, CP, IP, SQUARINGS, DOT)
+    terms = _chunk_terms(k_ptr, eta_ptr + bh * C, alpha_ptr + kh * C, C, I, CP, IP, SQUARINGS, DOT)
     t, i, eta, keys = terms[0], terms[1], terms[3], terms[11]
     gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
     o = tl.arange(0, OP)
@@ -118,87 +119,98 @@ def _dgd_chunk_fwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
 def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_ptr, w2k_ptr,
                    gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr,
                    dw1_ptr, dw2_ptr, dk_ptr, de_ptr, da_ptr, dd_ptr, deta_ptr, dalpha_ptr,
-                   dw2k_ptr, C, I, O, M,
+                   dw2k_ptr, C, I, O, M, GH, HK,
                    HAS_GI1: tl.constexpr, HAS_GI2: tl.constexpr,
                    CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
                    SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
-    cm_off = bh * C * M
-    w1_off = bh * O * M
-    w2_off = bh * M * I
-    terms = _chunk_terms(k_ptr + bh * C * I, eta_ptr + bh * C, alpha_ptr + bh * C, C, I,
-                         CP, IP, SQUARINGS, DOT)  # fmt: skip
-    t, i, live, eta, alpha, strict = terms[0], terms[1], terms[2], terms[3], terms[4], terms[5]
-    ratio, gram, coupling, inverse, k, keys = (terms[6], terms[7], terms[8], terms[9],
-                                               terms[10], terms[11])  # fmt: skip
-    gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
-    o = tl.arange(0, OP)
-    e = load_tile(e_ptr + bh * C * O, t, o, C, O, O)
-    c1 = -eta * end_over_s
-    hom_coef = -eta * gamma_prev
-    a_g = tl.zeros([CP, OP], dtype=k.dtype)
-    d_keys = tl.zeros([CP, IP], dtype=k.dtype)
-    d_hom = tl.zeros([CP], dtype=k.dtype)
-    d_eta = tl.zeros([CP], dtype=k.dtype)
-    d_gain = tl.zeros([BLOCK_M], dtype=k.dtype)
-    for m0 in range(0, M, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        d = load_tile(d_ptr + cm_off, t, m, C, M, M)
-        w2k = load_tile(w2k_ptr + cm_off, t, m, C, M, M)
-        u = -eta[:, None] * d
-        rhs = u + hom_coef[:, None] * w2k
-        gw1 = load_tile(gw1_ptr + w1_off, o, m, O, M, M)
-        gw2 = load_tile(gw2_ptr + w2_off, m, i, M, I, I)
-        w1 = load_tile(w1_ptr + w1_off, o, m, O, M, M)
-        w2 = load_tile(w2_ptr + w2_off, m, i, M, I, I)
-        d_gain += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
-        store_tile(dw1_ptr + w1_off, gamma_end * gw1, o, m, O, M, M)
-        store_tile(dw2_ptr + w2_off, gamma_end * gw2, m, i, M, I, I)
-        g1 = gw1
-        if HAS_GI1:
-            g1 += load_tile(gi1_ptr + w1_off, o, m, O, M, M)
-        a_g += tl.dot(load_tile(a_ptr + cm_off, t, m, C, M, M), tl.trans(g1), input_precision=DOT)
-        d_a = c1[:, None] * tl.dot(e, g1, input_precision=DOT)
-        store_tile(da_ptr + cm_off, d_a, t, m, C, M, M)
-        d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
-        d_u = d_rhs
-        d_keys += tl.dot(rhs, gw2, input_precision=DOT)
-        if HAS_GI2:
-            gi2 = load_tile(gi2_ptr + w2_off, m, i, M, I, I)
-            d_u += tl.dot(keys, tl.trans(gi2), input_precision=DOT)
-            d_keys += tl.dot(u, gi2, input_precision=DOT)
-        store_tile(dd_ptr + cm_off, -eta[:, None] * d_u, t, m, C, M, M)
-        store_tile(dw2k_ptr + cm_off, hom_coef[:, None] * d_rhs, t, m, C, M, M)
-        d_hom += tl.sum(w2k * d_rhs, 1)
-        d_eta -= tl.sum(d * d_u, 1)
-    store_tile(de_ptr + bh * C * O, c1[:, None] * a_g, t, o, C, O, O)
-    d_c1 = tl.sum(e * a_g, 1)
-    y = tl.dot(inverse, d_keys, input_precision=DOT)
-    d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
-    d_end_over_s = tl.sum(k * y, 1) - eta * d_c1
-    d_eta += tl.sum(d_lower * coupling, 1) - gamma_prev * d_hom - end_over_s * d_c1
-    d_coupling = eta[:, None] * d_lower
-    d_gram = d_coupling * ratio
-    d_k = end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
-    store_tile(dk_ptr + bh * C * I, d_k, t, i, C, I, I)
-    q = d_coupling * gram * ratio
-    d_prev = tl.sum(q, 1) - eta * d_hom * gamma_prev
-    scaled_end = d_end_over_s * end_over_s
-    total = d_prev - tl.sum(q, 0) - scaled_end
-    d_end = tl.sum(scaled_end, 0) + tl.sum(d_gain, 0) * gamma_end
-    suffix = total - tl.cumsum(total, 0) + tl.sum(total, 0)
-    d_alpha = (suffix - d_prev + d_end) / alpha
-    tl.store(deta_ptr + bh * C + t, d_eta, mask=live)
-    tl.store(dalpha_ptr + bh * C + t, d_alpha, mask=live)
+    # One program per k/alpha head (HK of them per sample); the G = GH / HK stacked
+    # members sharing it run in turn and their k and alpha gradients are summed here.
+    head = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, CP)
+    d_k_sum = tl.zeros([CP, IP], dtype=k_ptr.dtype.element_ty)
+    d_alpha_sum = tl.zeros([CP], dtype=k_ptr.dtype.element_ty)
+    for g in range(0, GH // HK):
+        bh = head // HK * GH + g * HK + head % HK
+        cm_off = bh * C * M
+        w1_off = bh * O * M
+        w2_off = bh * M * I
+        terms = _chunk_terms(k_ptr + head * C * I, eta_ptr + bh * C, alpha_ptr + head * C, C, I,
+                             CP, IP, SQUARINGS, DOT)  # fmt: skip
+        t, i, live, eta, alpha, strict = terms[0], terms[1], terms[2], terms[3], terms[4], terms[5]
+        ratio, gram, coupling, inverse, k, keys = (terms[6], terms[7], terms[8], terms[9],
+                                                   terms[10], terms[11])  # fmt: skip
+        gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
+        o = tl.arange(0, OP)
+        e = load_tile(e_ptr + bh * C * O, t, o, C, O, O)
+        c1 = -eta * end_over_s
+        hom_coef = -eta * gamma_prev
+        a_g = tl.zeros([CP, OP], dtype=k.dtype)
+        d_keys = tl.zeros([CP, IP], dtype=k.dtype)
+        d_hom = tl.zeros([CP], dtype=k.dtype)
+        d_eta = tl.zeros([CP], dtype=k.dtype)
+        d_gain = tl.zeros([BLOCK_M], dtype=k.dtype)
+        for m0 in range(0, M, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            d = load_tile(d_ptr + cm_off, t, m, C, M, M)
+            w2k = load_tile(w2k_ptr + cm_off, t, m, C, M, M)
+            u = -eta[:, None] * d
+            rhs = u + hom_coef[:, None] * w2k
+            gw1 = load_tile(gw1_ptr + w1_off, o, m, O, M, M)
+            gw2 = load_tile(gw2_ptr + w2_off, m, i, M, I, I)
+            w1 = load_tile(w1_ptr + w1_off, o, m, O, M, M)
+            w2 = load_tile(w2_ptr + w2_off, m, i, M, I, I)
+            d_gain += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
+            store_tile(dw1_ptr + w1_off, gamma_end * gw1, o, m, O, M, M)
+            store_tile(dw2_ptr + w2_off, gamma_end * gw2, m, i, M, I, I)
+            g1 = gw1
+            if HAS_GI1:
+                g1 += load_tile(gi1_ptr + w1_off, o, m, O, M, M)
+            a_g += tl.dot(
+                load_tile(a_ptr + cm_off, t, m, C, M, M), tl.trans(g1), input_precision=DOT
+            )
+            d_a = c1[:, None] * tl.dot(e, g1, input_precision=DOT)
+            store_tile(da_ptr + cm_off, d_a, t, m, C, M, M)
+            d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
+            d_u = d_rhs
+            d_keys += tl.dot(rhs, gw2, input_precision=DOT)
+            if HAS_GI2:
+                gi2 = load_tile(gi2_ptr + w2_off, m, i, M, I, I)
+                d_u += tl.dot(keys, tl.trans(gi2), input_precision=DOT)
+                d_keys += tl.dot(u, gi2, input_precision=DOT)
+            store_tile(dd_ptr + cm_off, -eta[:, None] * d_u, t, m, C, M, M)
+            store_tile(dw2k_ptr + cm_off, hom_coef[:, None] * d_rhs, t, m, C, M, M)
+            d_hom += tl.sum(w2k * d_rhs, 1)
+            d_eta -= tl.sum(d * d_u, 1)
+        store_tile(de_ptr + bh * C * O, c1[:, None] * a_g, t, o, C, O, O)
+        d_c1 = tl.sum(e * a_g, 1)
+        y = tl.dot(inverse, d_keys, input_precision=DOT)
+        d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
+        d_end_over_s = tl.sum(k * y, 1) - eta * d_c1
+        d_eta += tl.sum(d_lower * coupling, 1) - gamma_prev * d_hom - end_over_s * d_c1
+        d_coupling = eta[:, None] * d_lower
+        d_gram = d_coupling * ratio
+        d_k = end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
+        d_k_sum += d_k
+        q = d_coupling * gram * ratio
+        d_prev = tl.sum(q, 1) - eta * d_hom * gamma_prev
+        scaled_end = d_end_over_s * end_over_s
+        total = d_prev - tl.sum(q, 0) - scaled_end
+        d_end = tl.sum(scaled_end, 0) + tl.sum(d_gain, 0) * gamma_end
+        suffix = total - tl.cumsum(total, 0) + tl.sum(total, 0)
+        d_alpha = (suffix - d_prev + d_end) / alpha
+        d_alpha_sum += d_alpha
+        tl.store(deta_ptr + bh * C + t, d_eta, mask=live)
+    store_tile(dk_ptr + head * C * I, d_k_sum, t, tl.arange(0, IP), C, I, I)
+    tl.store(dalpha_ptr + head * C + t, d_alpha_sum, mask=t < C)
 
 
 @triton.jit
-def _overshoot(kernel_ptr, step_ptr, rho_ptr, bounded_ptr, C, CP: tl.constexpr,
+def _overshoot(kernel_ptr, step_ptr, rho_ptr, bounded_ptr, C, GH, HS, CP: tl.constexpr,
                ITERATIONS: tl.constexpr, BOUND: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, CP)
     live = t < C
-    step = tl.load(step_ptr + bh * C + t, mask=live, other=0.0)
+    step = tl.load(step_ptr + (bh // GH * HS + bh % GH % HS) * C + t, mask=live, other=0.0)
     root = tl.sqrt(tl.maximum(step, 0.0))
     matrix = root[:, None] * load_tile(kernel_ptr + bh * C * C, t, t, C, C, C) * root[None, :]
     x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
@@ -254,16 +266,16 @@ def l2_normalize_backward_triton(x: Tensor, grad: Tensor) -> Tensor:
 
 
 def _overshoot_launch(kernel: Tensor, step: Tensor, bound: bool) -> tuple[Tensor, Tensor]:
+    """step [B, H_s, C] may be shared by the G = GH / H_s members of kernel [B, GH, C, C]."""
     c = kernel.shape[-1]
     flat_kernel = kernel.reshape(-1, c, c).contiguous()
-    flat_step = step.reshape(-1, c).contiguous()
     rho = kernel.new_empty(flat_kernel.shape[0])
-    bounded = torch.empty_like(flat_step) if bound else rho
+    bounded = kernel.new_empty(kernel.shape[:-1]) if bound else rho
     _overshoot[(flat_kernel.shape[0],)](
-        flat_kernel, flat_step, rho, bounded, c, CP=max(16, triton.next_power_of_2(c)),
-        ITERATIONS=4, BOUND=bound,
+        flat_kernel, step.contiguous(), rho, bounded, c, kernel.shape[1], step.shape[1],
+        CP=max(16, triton.next_power_of_2(c)), ITERATIONS=4, BOUND=bound,
     )  # fmt: skip
-    return rho.view(kernel.shape[:-2]), bounded.view(step.shape) if bound else rho
+    return rho.view(kernel.shape[:-2]), bounded
 
 
 def overshoot_ratio_triton(kernel: Tensor, step: Tensor) -> Tensor:
@@ -307,7 +319,8 @@ def dgd_chunk_triton(
     ins = [flat_heads(x) for x in (w1, w2, k, e, a, d, eta.reshape(-1, eta.shape[-1]),
                               alpha.reshape(-1, alpha.shape[-1]), w2k)]  # fmt: skip
     outs = [torch.empty_like(x) for x in (ins[0], ins[1], ins[0], ins[1])]
-    _dgd_chunk_fwd[(ins[2].shape[0],)](*ins, *outs, **launch_sizes(w1, k))
+    heads = {"GH": w1.shape[1], "HK": k.shape[1]}
+    _dgd_chunk_fwd[(ins[0].shape[0],)](*ins, *outs, **heads, **launch_sizes(w1, k))
     return outs[0].view_as(w1), outs[1].view_as(w2), outs[2].view_as(w1), outs[3].view_as(w2)
 
 
@@ -327,7 +340,7 @@ def dgd_chunk_backward_triton(
     gi2 = gw2 if g_inc2 is None else flat_heads(g_inc2)
     outs = [torch.empty_like(x) for x in ins]
     _dgd_chunk_bwd[(ins[2].shape[0],)](
-        *ins, gw1, gw2, gi1, gi2, *outs,
+        *ins, gw1, gw2, gi1, gi2, *outs, GH=w1.shape[1], HK=k.shape[1],
         HAS_GI1=g_inc1 is not None, HAS_GI2=g_inc2 is not None, **launch_sizes(w1, k),
     )  # fmt: skip
     return tuple(out.view_as(x) for out, x in zip(outs, inputs, strict=True))

@@ -1,0 +1,24 @@
+"""Inputs shared by memories stacked along the head axis.
+
+Memories written from one chunk are stacked head-wise, weights [B, G*H, ...], member g
+at heads g*H ... g*H + H - 1, and read the same chunk inputs [B, H, ...]. The PyTorch
+forms take one copy per member (``repeat_heads``); an input shared that way gets the
+sum of its copies' gradients (``sum_members``). The fused operators read the shared
+input instead and sum inside their backward.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def repeat_heads(t: Tensor, n: int) -> Tensor:
+    """[B, H, ...] -> [B, n*H, ...]: one copy of a chunk input per stacked member."""
+    return t if n == 1 else t.repeat(1, n, *([1] * (t.dim() - 2)))
+
+
+def sum_members(t: Tensor, heads: int) -> Tensor:
+    """[B, G*H, ...] -> [B, H, ...]: the gradient of an input shared by G members."""
+    if t.shape[1] == heads:
+        return t
+    return t.reshape(t.shape[0], -1, heads, *t.shape[2:]).sum(1)
