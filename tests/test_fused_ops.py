@@ -30,6 +30,7 @@ from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momen
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.generation import smt_generation
 from hope.memory.ops.pointwise import l2_normalize
+from hope.memory.ops.smt_write import smt_write
 from hope.memory.residual_mlp import FastWeights, chunk_pass, mlp_apply, stacked_apply
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
@@ -324,6 +325,47 @@ def test_fused_generation_equals_the_pytorch_epilogue_with_gradients(adaptive: b
     assert (forward.count, backward.count) == (1, 2)
 
 
+@pytest.mark.parametrize("reads", [0, 3], ids=["no_reads", "reads"])
+def test_fused_smt_write_equals_the_pytorch_pass_bound_and_write(reads: int) -> None:
+    """``hope::smt_write`` (three stacked memories, mixed residual flags, shared k, v, q,
+    eta, alpha) equals the PyTorch forms composed: ``chunk_pass`` on member copies,
+    the bounded step, the closed-form DGD write; W1', W2', the increments and the reads,
+    and every input's gradient. One launch each way."""
+    gen = torch.Generator().manual_seed(reads)
+    b, g, h, c, i, m = 2, 3, 2, 6, 8, 12
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, dtype=DT) * scale).requires_grad_()
+
+    def unit(*shape: int) -> torch.Tensor:
+        return F.normalize(torch.randn(*shape, generator=gen, dtype=DT), dim=-1).requires_grad_()
+
+    w1, w2 = rand(b, g * h, i, m, scale=0.3), rand(b, g * h, m, i, scale=0.5)
+    k, v, q = unit(b, h, c, i), unit(b, h, c, i), unit(b, h, reads, i) if reads else None
+    eta = (0.05 + 0.5 * torch.rand(b, h, c, generator=gen, dtype=DT)).requires_grad_()
+    alpha = (0.6 + 0.4 * torch.rand(b, h, c, generator=gen, dtype=DT)).requires_grad_()
+    flags = torch.tensor([1.0, 0.0, 1.0], dtype=DT).repeat_interleave(h)
+    with LaunchCounter() as forward:
+        got = smt_write(w1, w2, k, v, q, eta, alpha, flags, False, False)
+    step = chunk_pass(w1, w2, v, k, q, "l2", flags.view(1, -1, 1, 1), members=g)
+    fast = FastWeights(w1, w2, torch.zeros_like(w1), torch.zeros_like(w2))
+    new = dispatch.dgd_write(
+        fast, step.keys, step.target, dispatch.bounded_step(step.coupling, eta, "torch"), alpha,
+        objective="l2", residual=flags.view(1, -1, 1, 1), precondition=True, momentum=0.0,
+        backend="torch", factors=step.factors,
+    )  # fmt: skip
+    want = [new.w1, new.w2, new.m1, new.m2] + ([step.read] if reads else [])
+    for x, y in zip(got, want, strict=False):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-13)
+    inputs = [t for t in (w1, w2, k, v, q, eta, alpha) if t is not None]
+    probes = [torch.randn(y.shape, generator=gen, dtype=DT) for y in want]
+    with LaunchCounter() as backward:
+        got_grads = torch.autograd.grad(got[: len(want)], inputs, probes)
+    for x, y in zip(got_grads, torch.autograd.grad(want, inputs, probes), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    assert (forward.count, backward.count) == (1, 1)
+
+
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     """The bound rho alone (Titans' cap) and the SMT's bounded step eta / (1 + rho) with
     its gradient (rho not differentiated): one launch each way under ``fused``."""
@@ -433,7 +475,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 112
+    assert len(errors) == 130
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 
@@ -462,7 +504,8 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
     expected = {
         "_dgd_chunk_fwd", "_dgd_chunk_bwd", "_momentum_fwd", "_momentum_bwd", "_normalize",
         "_overshoot", "_memory_pass_fwd", "_memory_pass_bwd", "_memory_apply_fwd",
-        "_memory_apply_bwd", "_generation_fwd", "_generation_bwd",
+        "_memory_apply_bwd", "_generation_fwd", "_generation_bwd", "_smt_write_fwd",
+        "_smt_write_bwd",
     }  # fmt: skip
     assert set(kernels) == expected
     for name, info in kernels.items():

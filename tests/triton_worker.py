@@ -20,6 +20,7 @@ from hope.memory.ops.generation import (
 from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory_apply_reference
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
+from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
 from hope.memory.ops.triton_generation import (
     smt_generation_backward_triton,
@@ -35,6 +36,7 @@ from hope.memory.ops.triton_kernels import (
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
 from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
+from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_triton
 from hope.memory.residual_mlp import overshoot_ratio
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
@@ -235,6 +237,52 @@ def generation_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+# The whole SMT write (G, H, C, C_q, I, h_m, mode): a mixed-residual stack with partial
+# reads, one memory with the dot loss and no reads, a wide chunk of four members.
+WRITE_CASES = [
+    (3, 2, 8, 3, 12, 40, "l2"),
+    (1, 2, 5, 0, 8, 16, "dot"),
+    (4, 1, 20, 20, 16, 136, "l2"),
+]
+
+
+def write_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::smt_write``'s kernels against its reference, every output and gradient
+    (the increments' and the reads' absent in a second backward)."""
+    errors = {}
+    for g, h, c, cq, i, m, mode in WRITE_CASES:
+        gen = torch.Generator().manual_seed(c * 10 + m)
+
+        def rand(*shape: int, scale: float = 1.0, gen: torch.Generator = gen) -> torch.Tensor:
+            x = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+            return x.to(device, dtype)
+
+        def unit(*shape: int) -> torch.Tensor:
+            return torch.nn.functional.normalize(rand(*shape), dim=-1)
+
+        gates = [(lo + span * torch.rand(2, h, c, generator=gen, dtype=torch.float64))
+                 .to(device, dtype) for lo, span in ((0.05, 0.5), (0.6, 0.4))]  # fmt: skip
+        scale = None if g == 1 else torch.tensor([1.0, 0.0, 1.0, 1.0][:g], dtype=dtype)
+        x = (rand(2, g * h, i, m, scale=0.3), rand(2, g * h, m, i, scale=0.5), unit(2, h, c, i),
+             unit(2, h, c, i), unit(2, h, cq, i) if cq else None, *gates,
+             None if scale is None else scale.to(device).repeat_interleave(h))  # fmt: skip
+        options = (scale is None and mode == "l2", mode == "dot")
+        want = smt_write_reference(x, *options)
+        name = f"write_{g}x{c}_{mode}_{str(dtype).removeprefix('torch.')}"
+        present = [j for j, t in enumerate(want) if t.numel()]
+        got = smt_write_triton(x, *options)
+        errors[f"{name}_forward"] = worst(tuple(got[j] for j in present),
+                                          tuple(want[j] for j in present))  # fmt: skip
+        for missing in ((), (2, 3, 4)):
+            grads = tuple(None if j in missing or not w.numel() else rand_like(w, gen)
+                          for j, w in enumerate(want))  # fmt: skip
+            got_g = smt_write_backward_triton(x, *options, grads)
+            ref_g = smt_write_backward_reference(x, *options, grads)
+            pairs = [(a, r) for a, r in zip(got_g, ref_g, strict=True) if r is not None]
+            errors[f"{name}_backward{len(missing)}"] = worst(*zip(*pairs, strict=True))
+    return errors
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -263,6 +311,7 @@ def main(
             errors |= pass_errors(case, dtype, device)
         errors |= apply_errors(dtype, device)
         errors |= generation_errors(dtype, device)
+        errors |= write_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -59,6 +59,7 @@ from hope.memory.smt_state import (
     MemoryGroup,
     SMTState,
     bounded_eta,
+    fused_group_write,
     generate_stacked,
     join_generated,
     stack_group,
@@ -227,12 +228,13 @@ class SelfModifyingTitans(nn.Module):
     ) -> tuple[FastWeights, Tensor | None]:
         """DGD write (eq. 88) of every member of a group; they share k, v, eta, alpha.
         ``read``: also o = M_mem(q) from the same chunk-start state (read before write)."""
-        n = len(group.names)
-        residual = self._residual(group)
+        n, residual, cfg = len(group.names), self._residual(group), self.cfg
+        if backend == "fused" and cfg.precondition and not cfg.momentum:  # one operator
+            new, reads = fused_group_write(fast, gen, residual, cfg.objective == "dot", read)
+            return new, None if reads is None else reads[:, (n - 1) * self.n_heads :]
         # v_hat = M(v) with each member's chunk-start state (eq. 84): a constant of the
         # inner gradient (the factors treat it so) but in the outer graph, M_v's only
-        # path to the loss. The curvature differs per member, so each solves its own
-        # C x C system.
+        # path to the loss. The curvature differs per member: each solves its own system.
         step = chunk_pass(
             fast.w1, fast.w2, gen.v, gen.k, gen.q if read else None, self.cfg.objective,
             residual, fused=backend == "fused", members=n,

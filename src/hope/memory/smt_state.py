@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from hope.memory.fast_state import where_samples
 from hope.memory.ops.dispatch import bounded_step, compiled
 from hope.memory.ops.generation import smt_generation
+from hope.memory.ops.smt_write import smt_write
 from hope.memory.pieces import PieceGrid
 from hope.memory.residual_mlp import FastWeights, Residual, stacked_apply
 
@@ -150,6 +151,20 @@ def generate_stacked(
     query = None if query is None else query.to(raw.dtype)
     bias = alpha_bias.to(raw.dtype)
     return Generated(*smt_generation(raw, query, bias, eta_scale))  # type: ignore[misc]
+
+
+def fused_group_write(
+    fast: FastWeights, gen: Generated, residual: Residual, dot: bool, read: bool
+) -> tuple[FastWeights, Tensor | None]:
+    """``SelfModifyingTitans._write`` of the default rule (preconditioned DGD without
+    momentum) as one ``hope::smt_write``, in the fast state's dtype: the pass, the
+    bounded step and the write of every member of the group, and the reads of all
+    members when ``read``."""
+    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
+    k, v, eta, alpha = (t.to(fast.w1.dtype) for t in (gen.k, gen.v, gen.eta, gen.alpha))
+    q = gen.q.to(fast.w1.dtype) if read else None
+    out = smt_write(fast.w1, fast.w2, k, v, q, eta, alpha, scale, residual is True, dot)
+    return fast.with_weights(*out[:4]), out[4] if read else None
 
 
 def stack_group(mems: dict[str, FastWeights], group: MemoryGroup) -> FastWeights:

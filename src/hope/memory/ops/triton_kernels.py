@@ -58,13 +58,21 @@ def _chunk_terms(k_ptr, eta_ptr, alpha_ptr, C, I, CP: tl.constexpr, IP: tl.const
     live = t < C
     eta = tl.load(eta_ptr + t, mask=live, other=0.0)
     alpha = tl.load(alpha_ptr + t, mask=live, other=1.0)
+    k = load_tile(k_ptr, t, i, C, I, I)
+    return chunk_terms_of(k, eta, alpha, t, i, live, CP, SQUARINGS, DOT)
+
+
+@triton.jit
+def chunk_terms_of(k, eta, alpha, t, i, live, CP: tl.constexpr, SQUARINGS: tl.constexpr,
+                   DOT: tl.constexpr):  # fmt: skip
+    """The C x C terms of a DGD chunk write from its keys k [CP, IP], steps eta and
+    retentions alpha [CP] (padded tokens: eta 0, alpha 1)."""
     log_keep = tl.log(alpha)
     cum = tl.cumsum(log_keep, 0)  # log γ_t
     prev = cum - log_keep  # log γ_{t-1}
     end = tl.sum(log_keep, 0)  # log γ_C (padded tokens add 0)
     strict = t[:, None] > t[None, :]
     ratio = tl.where(strict, tl.exp(tl.where(strict, prev[:, None] - cum[None, :], 0.0)), 0.0)
-    k = load_tile(k_ptr, t, i, C, I, I)
     gram = tl.dot(k, tl.trans(k), input_precision=DOT)
     coupling = ratio * gram
     nil = eta[:, None] * coupling

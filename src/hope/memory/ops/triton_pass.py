@@ -32,7 +32,7 @@ def gelu(x):
 
 
 @triton.jit
-def _slope(x):  # gelu'(x) = Φ(x) + x φ(x)
+def slope_of(x):  # gelu'(x) = Φ(x) + x φ(x)
     return (
         0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
         + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
@@ -40,7 +40,7 @@ def _slope(x):  # gelu'(x) = Φ(x) + x φ(x)
 
 
 @triton.jit
-def _curve(x):  # gelu''(x) = φ(x) (2 - x^2)
+def curve_of(x):  # gelu''(x) = φ(x) (2 - x^2)
     return tl.exp(-0.5 * x * x) * 0.3989422804014327 * (2.0 - x * x)
 
 
@@ -74,7 +74,7 @@ def _memory_pass_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, tgt_ptr, scale_ptr,
         w1 = load_tile(w1_ptr, o, m, O, M, M)
         pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
         act = gelu(pre)
-        slope = _slope(pre)
+        slope = slope_of(pre)
         pred += tl.dot(act, tl.trans(w1), input_precision=DOT)
         store_tile(pre_ptr + cm, pre, t, m, C, M, M)
         store_tile(act_ptr + cm, act, t, m, C, M, M)
@@ -107,7 +107,7 @@ def _memory_pass_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, tgt_ptr, scale_ptr,
         m = m0 + tl.arange(0, BLOCK_M)
         pre = tl.dot(k, tl.trans(load_tile(w2_ptr, m, i, M, I, I)), input_precision=DOT)
         w1 = load_tile(w1_ptr, o, m, O, M, M)
-        hid = tl.dot(err, w1, input_precision=DOT) * _slope(pre)
+        hid = tl.dot(err, w1, input_precision=DOT) * slope_of(pre)
         store_tile(hid_ptr + cm, hid, t, m, C, M, M)
     live = t < C
     tl.store(curv_ptr + bh * C + t, act_sq + tl.sum(k * k, 1) * back_sq, mask=live)
@@ -122,7 +122,7 @@ def _memory_pass_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, tgt_ptr, scale_ptr,
 def rows_backward(z, g_out, w1, w2, DOT: tl.constexpr):
     """A block's share of (dW1, dW2, dz) from rows z whose outputs M(z) get g_out."""
     pre = tl.dot(z, tl.trans(w2), input_precision=DOT)
-    g_pre = tl.dot(g_out, w1, input_precision=DOT) * _slope(pre)
+    g_pre = tl.dot(g_out, w1, input_precision=DOT) * slope_of(pre)
     g_w1 = tl.dot(tl.trans(g_out), gelu(pre), input_precision=DOT)
     g_w2 = tl.dot(tl.trans(g_pre), z, input_precision=DOT)
     return g_w1, g_w2, tl.dot(g_pre, w2, input_precision=DOT)
@@ -162,7 +162,7 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
         for m0 in range(0, M, BLOCK_M):  # dL/dE from D, and back_sq
             m = m0 + tl.arange(0, BLOCK_M)
             w1 = load_tile(w1_ptr_g, o, m, O, M, M)
-            slope = _slope(tl.dot(k, tl.trans(load_tile(w2_ptr_g, m, i, M, I, I)),
+            slope = slope_of(tl.dot(k, tl.trans(load_tile(w2_ptr_g, m, i, M, I, I)),
                                   input_precision=DOT))  # fmt: skip
             if HAS_GHID:
                 g_hid = load_tile(ghid_ptr + cm, t, m, C, M, M)
@@ -182,7 +182,7 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
             w1 = load_tile(w1_ptr_g, o, m, O, M, M)
             col_sq = tl.sum(w1 * w1, 0)
             pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
-            act, slope = gelu(pre), _slope(pre)
+            act, slope = gelu(pre), slope_of(pre)
             g_act = tl.dot(g_pred, w1, input_precision=DOT)
             g_act += load_tile(gact_ptr + cm, t, m, C if HAS_GACT else 0, M, M)
             g_slope = tl.zeros([CP, BLOCK_M], dtype=k.dtype)
@@ -196,7 +196,7 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
                 weight = (g_curv * k_sq)[:, None]
                 g_slope += 2.0 * slope * weight * col_sq[None, :]
                 d_w1 += 2.0 * w1 * tl.sum(weight * slope * slope, 0)[None, :]
-            g_pre = g_slope * _curve(pre) + g_act * slope
+            g_pre = g_slope * curve_of(pre) + g_act * slope
             g_pre += load_tile(gpre_ptr + cm, t, m, C if HAS_GPRE else 0, M, M)
             d_w2 = tl.dot(tl.trans(g_pre), k, input_precision=DOT)
             d_k += tl.dot(g_pre, w2, input_precision=DOT)
@@ -227,7 +227,7 @@ def pad_size(n: int) -> int:  # tl.dot's smallest tile is 16
     return max(16, triton.next_power_of_2(n))
 
 
-def _sizes(w1: Tensor, k: Tensor, q: Tensor | None, skip: bool) -> dict[str, Any]:
+def pass_sizes(w1: Tensor, k: Tensor, q: Tensor | None, skip: bool) -> dict[str, Any]:
     """Runtime and padded sizes; the residual needs d_out = d_in, the reads <= C rows."""
     heads, c, i = k.shape[1:]
     gh, o, m = w1.shape[1:]
@@ -247,7 +247,7 @@ def memory_pass_triton(
     target: Tensor | None, scale: Tensor | None, residual: bool, dot: bool,
 ) -> tuple[Tensor, ...]:  # fmt: skip
     """``hope::memory_pass`` in one kernel launch."""
-    sizes = _sizes(w1, k, q, scale is not None or residual)
+    sizes = pass_sizes(w1, k, q, scale is not None or residual)
     b, gh, o, m = w1.shape
     c = k.shape[2]
     kf = flat_heads(k)
@@ -277,7 +277,7 @@ def memory_pass_backward_triton(
     """``hope::memory_pass_backward`` in one kernel launch."""
     w1, w2, k, v, q, target, scale, err = saved
     assert w1 is not None and w2 is not None and k is not None and err is not None
-    sizes = _sizes(w1, k, q, scale is not None or residual)
+    sizes = pass_sizes(w1, k, q, scale is not None or residual)
     kf = flat_heads(k)
     vf, qf = (kf if t is None else flat_heads(t) for t in (v, q))
     sf = kf if scale is None else scale.to(w1.dtype).contiguous()
