@@ -29,8 +29,9 @@ Backends:
   one operator instead of ~30; a memory's chunk-start pass
   (``residual_mlp.chunk_pass(fused=True)``: ``memory_pass.py``), stacked memories on a
   shared input (``residual_mlp.stacked_apply``: ``memory_apply.py``), the SMT's
-  generation epilogue (``smt_state.generate_stacked``: ``generation.py``) and the
-  normalisation ``unit_rows`` (``pointwise.py``). The other
+  generation epilogue (``smt_state.generate_stacked``: ``generation.py``), a group's
+  whole write, pass, bounded step and DGD (``smt_state.fused_group_write``:
+  ``smt_write.py``) and the normalisation ``unit_rows`` (``pointwise.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
