@@ -89,6 +89,32 @@ def chunk_terms_of(k, eta, alpha, t, i, live, CP: tl.constexpr, SQUARINGS: tl.co
 
 
 @triton.jit
+def dgd_cc_backward(e, a_g, d_keys, d_hom, d_gain, terms, DOT: tl.constexpr):
+    """The C x C part of the DGD write's backward (``dgd_chunk_backward_reference``) from
+    the sums its hidden-block walk gathers (a_g = A G1^T, dL/dZ, the homogeneous and
+    gain terms) and the chunk's ``chunk_terms_of``: dL/dk through L and the Gram
+    matrix, this part's dL/deta, and dL/dalpha through the decays."""
+    eta, alpha, strict, ratio, gram = terms[3], terms[4], terms[5], terms[6], terms[7]
+    coupling, inverse, k, keys = terms[8], terms[9], terms[10], terms[11]
+    gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
+    d_c1 = tl.sum(e * a_g, 1)
+    y = tl.dot(inverse, d_keys, input_precision=DOT)
+    d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
+    d_end_over_s = tl.sum(k * y, 1) - eta * d_c1
+    d_eta = tl.sum(d_lower * coupling, 1) - gamma_prev * d_hom - end_over_s * d_c1
+    d_coupling = eta[:, None] * d_lower
+    d_gram = d_coupling * ratio
+    d_k = end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
+    decay = d_coupling * gram * ratio
+    d_prev = tl.sum(decay, 1) - eta * d_hom * gamma_prev
+    scaled_end = d_end_over_s * end_over_s
+    total = d_prev - tl.sum(decay, 0) - scaled_end
+    d_end = tl.sum(scaled_end, 0) + tl.sum(d_gain, 0) * gamma_end
+    suffix = total - tl.cumsum(total, 0) + tl.sum(total, 0)
+    return d_k, d_eta, (suffix - d_prev + d_end) / alpha
+
+
+@triton.jit
 def _dgd_chunk_fwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_ptr, w2k_ptr,
                    w1_out, w2_out, inc1_out, inc2_out, C, I, O, M, GH, HK,
                    CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -144,9 +170,7 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
         w2_off = bh * M * I
         terms = _chunk_terms(k_ptr + head * C * I, eta_ptr + bh * C, alpha_ptr + head * C, C, I,
                              CP, IP, SQUARINGS, DOT)  # fmt: skip
-        t, i, live, eta, alpha, strict = terms[0], terms[1], terms[2], terms[3], terms[4], terms[5]
-        ratio, gram, coupling, inverse, k, keys = (terms[6], terms[7], terms[8], terms[9],
-                                                   terms[10], terms[11])  # fmt: skip
+        t, i, live, eta, k, keys = terms[0], terms[1], terms[2], terms[3], terms[10], terms[11]
         gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
         o = tl.arange(0, OP)
         e = load_tile(e_ptr + bh * C * O, t, o, C, O, O)
@@ -190,22 +214,9 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
             d_hom += tl.sum(w2k * d_rhs, 1)
             d_eta -= tl.sum(d * d_u, 1)
         store_tile(de_ptr + bh * C * O, c1[:, None] * a_g, t, o, C, O, O)
-        d_c1 = tl.sum(e * a_g, 1)
-        y = tl.dot(inverse, d_keys, input_precision=DOT)
-        d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
-        d_end_over_s = tl.sum(k * y, 1) - eta * d_c1
-        d_eta += tl.sum(d_lower * coupling, 1) - gamma_prev * d_hom - end_over_s * d_c1
-        d_coupling = eta[:, None] * d_lower
-        d_gram = d_coupling * ratio
-        d_k = end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
+        d_k, d_eta_cc, d_alpha = dgd_cc_backward(e, a_g, d_keys, d_hom, d_gain, terms, DOT)
+        d_eta += d_eta_cc
         d_k_sum += d_k
-        q = d_coupling * gram * ratio
-        d_prev = tl.sum(q, 1) - eta * d_hom * gamma_prev
-        scaled_end = d_end_over_s * end_over_s
-        total = d_prev - tl.sum(q, 0) - scaled_end
-        d_end = tl.sum(scaled_end, 0) + tl.sum(d_gain, 0) * gamma_end
-        suffix = total - tl.cumsum(total, 0) + tl.sum(total, 0)
-        d_alpha = (suffix - d_prev + d_end) / alpha
         d_alpha_sum += d_alpha
         tl.store(deta_ptr + bh * C + t, d_eta, mask=live)
     store_tile(dk_ptr + head * C * I, d_k_sum, t, tl.arange(0, IP), C, I, I)

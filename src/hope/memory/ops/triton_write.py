@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import chunk_terms_of, flat_heads, load_tile, store_tile
+from hope.memory.ops.triton_kernels import (
+    chunk_terms_of,
+    dgd_cc_backward,
+    flat_heads,
+    load_tile,
+    store_tile,
+)
 from hope.memory.ops.triton_pass import (
     curve_of,
     gelu,
@@ -194,9 +200,8 @@ def _smt_write_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scal
         err = -v_hat if DOT_LOSS else 2.0 * (pred - v_hat)
         gain = 1.0 / (1.0 + _bound(k, gram, back_sq, eta_in, live, DOT))
         terms = chunk_terms_of(k, eta_in * gain, alpha, t, i, live, CP, SQUARINGS, DOT)
-        eta, strict, ratio, key_gram = terms[3], terms[5], terms[6], terms[7]
-        coupling, inverse, keys = terms[8], terms[9], terms[11]
-        gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
+        eta, keys, gamma_prev = terms[3], terms[11], terms[12]
+        end_over_s, gamma_end = terms[13], terms[14]
         c1 = -eta * end_over_s
         hom_coef = -eta * gamma_prev
         # The write's backward (``triton_kernels._dgd_chunk_bwd`` with A, D, W2 k recomputed).
@@ -221,22 +226,10 @@ def _smt_write_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scal
             d_keys += tl.dot(rhs, gw2, input_precision=DOT) + tl.dot(u, gi2, input_precision=DOT)
             d_hom += tl.sum(pre * d_rhs, 1)
             d_eta -= tl.sum(d * d_u, 1)
-        d_c1 = tl.sum(err * a_g, 1)
-        y = tl.dot(inverse, d_keys, input_precision=DOT)
-        d_lower = tl.where(strict, -tl.dot(keys, tl.trans(y), input_precision=DOT), 0.0)
-        d_end_over_s = tl.sum(k * y, 1) - eta * d_c1
-        d_eta += tl.sum(d_lower * coupling, 1) - gamma_prev * d_hom - end_over_s * d_c1
-        d_coupling = eta[:, None] * d_lower
-        d_gram = d_coupling * ratio
-        d_k += end_over_s[:, None] * y + tl.dot(d_gram + tl.trans(d_gram), k, input_precision=DOT)
-        decay = d_coupling * key_gram * ratio
-        d_prev = tl.sum(decay, 1) - eta * d_hom * gamma_prev
-        scaled_end = d_end_over_s * end_over_s
-        total = d_prev - tl.sum(decay, 0) - scaled_end
-        d_end = tl.sum(scaled_end, 0) + tl.sum(d_gain, 0) * gamma_end
-        suffix = total - tl.cumsum(total, 0) + tl.sum(total, 0)
-        d_alpha += (suffix - d_prev + d_end) / alpha
-        d_eta_in += d_eta * gain  # the bound rho is not differentiated
+        d_k_cc, d_eta_cc, d_alpha_cc = dgd_cc_backward(err, a_g, d_keys, d_hom, d_gain, terms, DOT)
+        d_k += d_k_cc
+        d_alpha += d_alpha_cc
+        d_eta_in += (d_eta + d_eta_cc) * gain  # the bound rho is not differentiated
         # The pass's backward: dL/dE from inc1 and from D = (E W1) ⊙ gelu'(W2 k).
         g_err = c1[:, None] * a_g
         for m0 in range(0, M, BLOCK_M):
