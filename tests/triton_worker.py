@@ -20,6 +20,7 @@ from hope.memory.ops.generation import (
 from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory_apply_reference
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
+from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
 from hope.memory.ops.triton_generation import (
@@ -36,6 +37,7 @@ from hope.memory.ops.triton_kernels import (
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
 from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
+from hope.memory.ops.triton_step import smt_step_backward_triton, smt_step_triton
 from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_triton
 from hope.memory.residual_mlp import overshoot_ratio
 
@@ -283,6 +285,50 @@ def write_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+# The whole SMT chunk step (M_mem in the stack, adaptive q, dot loss, C, d_h, h_m, the
+# gradients left out): both reads, both queries, padded and unpadded sizes, several
+# h_m blocks, absent gradients of every kind.
+STEP_CASES = [
+    (True, False, False, 5, 8, 12, ()),
+    (True, True, False, 5, 8, 12, (4, 9)),
+    (False, False, False, 8, 16, 136, (2, 3, 4, 9)),
+    (False, True, False, 3, 8, 12, (0, 1, 5)),
+    (True, False, True, 16, 16, 40, ()),
+]
+
+
+def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::smt_step``'s kernels against its reference, every output and gradient."""
+    errors = {}
+    for own, adaptive, dot, c, d, m, missing in STEP_CASES:
+        gen = torch.Generator().manual_seed(c * 7 + m)
+
+        def rand(*shape: int, scale: float = 1.0, gen: torch.Generator = gen) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+        b, h, g = 2, 3, 5 if adaptive else 4
+        w1, w2 = rand(b, (g + own) * h, d, m, scale=0.3), rand(b, (g + own) * h, m, d, scale=0.5)
+        w1[:, (g - 2) * h : g * h, 1:] = 0.0  # the scalar memories' padded rows
+        mem = (None, None) if own else (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
+        flags = torch.tensor([1.0] * (g - 2) + [0.0, 0.0] + [1.0] * own, dtype=torch.float64)
+        raw = (w1, w2, rand(b, h, c, d), None if adaptive else rand(b, h, c, d), *mem,
+               rand(h).expand(b, h), flags.repeat_interleave(h))  # fmt: skip
+        x = tuple(None if t is None else t.to(device, dtype) for t in raw)
+        options = (False, dot, 0.7, g)
+        want = smt_step_reference(x, options)  # type: ignore[arg-type]
+        read, loss = "own" if own else "apart", "dot" if dot else "l2"
+        name = f"step_{read}_{'adaptive_' if adaptive else ''}C{c}_{loss}_{str(dtype)[6:]}"
+        errors[f"{name}_forward"] = worst(smt_step_triton(x, options), want)
+        grads = tuple(None if j in missing else rand_like(w, gen) for j, w in enumerate(want))
+        got = smt_step_backward_triton(x, options, grads)
+        ref = smt_step_backward_reference(x, options, grads)  # type: ignore[arg-type]
+        if [t is None for t in got] != [t is None for t in ref]:
+            raise AssertionError(f"{name}: gradients present {got} vs {ref}")
+        pairs = [(a, r) for a, r in zip(got, ref, strict=True) if r is not None]
+        errors[f"{name}_backward"] = worst(*zip(*pairs, strict=True))
+    return errors
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -312,6 +358,7 @@ def main(
         errors |= apply_errors(dtype, device)
         errors |= generation_errors(dtype, device)
         errors |= write_errors(dtype, device)
+        errors |= step_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

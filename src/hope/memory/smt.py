@@ -30,6 +30,7 @@ state gets gradient only from the reads of the first C_m chunk.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -51,6 +52,7 @@ from hope.memory.residual_mlp import (
     stacked_apply,
 )
 from hope.memory.smt_frozen import frozen_segment, segment_reads
+from hope.memory.smt_fused import fused_chunk_step, write_pending
 from hope.memory.smt_state import (
     CallPlan,
     ChunkCarry,
@@ -297,6 +299,9 @@ class SelfModifyingTitans(nn.Module):
         plan, smt = self._plan(backend), SelfModifyingTitans
         steps = (smt._generate, smt._write, frozen_segment)
         loop = CallPlan.build(plan, backend, seq, pieces, steps)
+        cfg = self.cfg
+        if backend == "fused" and cfg.precondition and not (cfg.momentum or cfg.frozen or pieces):
+            loop = replace(loop, step_bias=self.alpha_bias.expand(batch, self.n_heads))
         mem_pending = [state.mem_pending] if state.mem_pending.length else []
         partial = state.partial if state.partial.length else None
         carry = ChunkCarry(
@@ -341,6 +346,8 @@ class SelfModifyingTitans(nn.Module):
             stop < loop.seq and pieces.piece_of(carry.live_from) == pieces.piece_of(stop)
         )
         stacks = carry.stacks
+        if loop.step_bias is not None and carry.partial is None and stop - start == self.cfg.chunk:
+            return fused_chunk_step(self, carry, xq, loop, loop.step_bias)  # one operator
         # Frozen reads take k, v, eta, alpha through M_mem's in-segment states.
         fresh = loop.generate(self, stacks, xc, plan, keep or self.cfg.frozen, backend, query)
         held = carry.partial
@@ -366,21 +373,12 @@ class SelfModifyingTitans(nn.Module):
             read = read if held is None else read[:, :, held.length :]
         else:
             read = self._read(stacks[flush.key], flush, fresh.q, backend)  # read before write
-            carry.pending.append(gen)
-            carry.pending_len += gen.k.shape[2]
-            flush_now = carry.pending_len == self.cfg.mem_chunk
             with torch.set_grad_enabled(torch.is_grad_enabled() and keep):
                 for group in plan:
                     if group is not flush:
                         stacks[group.key] = loop.write(
                             self, stacks[group.key], group, gen, backend
                         )[0]
-                if flush_now:  # M_mem: the C_o chunks since its last write as one
-                    pending = carry.pending
-                    joined = pending[0] if len(pending) == 1 else join_generated(pending)
-                    flushed = loop.write(self, stacks[flush.key], flush, joined, backend)
-                    stacks[flush.key] = flushed[0]
-            if flush_now:
-                carry.pending, carry.pending_len = [], 0
+                write_pending(self, carry, gen, loop)  # M_mem every C_m tokens
         carry.chunks_done += 1
         return carry, read

@@ -243,6 +243,8 @@ class CallPlan:
     write: Callable[..., tuple[FastWeights, Tensor | None]]
     # smt_frozen.frozen_segment (or its compiled form): M_mem's reads inside a segment
     segment: Callable[..., tuple[Tensor, FastWeights | None]]
+    # b_alpha as [B, H] when complete chunks run as one ``hope::smt_step`` (smt_fused.py)
+    step_bias: Tensor | None = None
 
     @classmethod
     def build(

@@ -41,12 +41,12 @@ def smt_generation_reference(
     raw: Tensor, query: Tensor | None, alpha_bias: Tensor, eta_scale: float
 ) -> Generation:
     """The forward in PyTorch ops (module docstring). query [B, H, T, O] is x W_q, or
-    None when M_q is the third member of ``raw``."""
-    parts = _members(raw, query, alpha_bias.shape[0])
+    None when M_q is the third member of ``raw``; alpha_bias [H] or per sample [B, H]."""
+    parts = _members(raw, query, alpha_bias.shape[-1])
     k, v = F.normalize(parts[0], dim=-1, eps=EPS), F.normalize(parts[1], dim=-1, eps=EPS)
     q = F.normalize(parts[2] if query is None else query, dim=-1, eps=EPS)
     eta = eta_scale * F.softplus(parts[-2][..., 0])
-    alpha = torch.sigmoid(parts[-1][..., 0] + alpha_bias[:, None])
+    alpha = torch.sigmoid(parts[-1][..., 0] + alpha_bias[..., None])
     return k, v, q, eta, alpha
 
 

@@ -89,38 +89,26 @@ def _bound(k, gram, back_sq, eta, live, DOT: tl.constexpr):
 
 
 @triton.jit
-def _smt_write_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scale_ptr,
-                   w1_out, w2_out, inc1_out, inc2_out, read_ptr,
-                   H, GH, C, CQ, I, O, M,
-                   HAS_Q: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
-                   DOT_LOSS: tl.constexpr, CP: tl.constexpr, IP: tl.constexpr,
-                   OP: tl.constexpr, BLOCK_M: tl.constexpr, SQUARINGS: tl.constexpr,
-                   DOT: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
-    gh = bh % GH
-    head = bh // GH * H + gh % H  # the shared inputs' head
-    t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
-    live = t < C
-    w1_ptr += bh * O * M
-    w2_ptr += bh * M * I
-    k = load_tile(k_ptr + head * C * I, t, i, C, I, I)
-    v = load_tile(v_ptr + head * C * I, t, i, C, I, I)
-    q = load_tile(q_ptr + head * CQ * I, t, i, CQ if HAS_Q else 0, I, I)
+def write_member_fwd(w1_ptr, w2_ptr, w1_out, w2_out, inc1_out, inc2_out, read_ptr,
+                     k, v, q, eta_in, alpha, skip, t, i, o, live, CQ, I, O, M,
+                     HAS_Q: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_INC: tl.constexpr,
+                     DOT_LOSS: tl.constexpr, CP: tl.constexpr, OP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, SQUARINGS: tl.constexpr,
+                     DOT: tl.constexpr):  # fmt: skip
+    """One member's chunk write from its state at w1_ptr, w2_ptr (the pointers of this
+    member's head): W1', W2' (and the increments when HAS_INC) stored, and its reads
+    M(q) when HAS_Q. k, v, q [CP, IP], eta_in, alpha [CP] in registers; ``skip`` the
+    residual coefficient when HAS_SKIP."""
     pred, v_hat, read, back_sq, gram = _pass_forward(w1_ptr, w2_ptr, k, v, q, t, i, o, I, O,
                                                      M, HAS_Q, CP, OP, BLOCK_M, DOT)  # fmt: skip
-    if HAS_SCALE or RESIDUAL:  # O == I
-        skip = 1.0
-        if HAS_SCALE:
-            skip = tl.load(scale_ptr + gh)
+    if HAS_SKIP:  # O == I
         pred += skip * k
         v_hat += skip * v
         read += skip * q
     if HAS_Q:
-        store_tile(read_ptr + bh * CQ * O, read, t, o, CQ, O, O)
+        store_tile(read_ptr, read, t, o, CQ, O, O)
     err = -v_hat if DOT_LOSS else 2.0 * (pred - v_hat)
-    eta_in = tl.load(eta_ptr + head * C + t, mask=live, other=0.0)
     gain = 1.0 / (1.0 + _bound(k, gram, back_sq, eta_in, live, DOT))
-    alpha = tl.load(alpha_ptr + head * C + t, mask=live, other=1.0)
     terms = chunk_terms_of(k, eta_in * gain, alpha, t, i, live, CP, SQUARINGS, DOT)
     eta, keys = terms[3], terms[11]
     gamma_prev, end_over_s, gamma_end = terms[12], terms[13], terms[14]
@@ -134,13 +122,41 @@ def _smt_write_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scal
         d = tl.dot(err, w1, input_precision=DOT) * slope_of(pre)
         u = -eta[:, None] * d
         rhs = u + hom_coef[:, None] * pre
-        inc2 = tl.dot(tl.trans(u), keys, input_precision=DOT)
         change2 = tl.dot(tl.trans(rhs), keys, input_precision=DOT)
-        store_tile(w2_out + bh * M * I, change2 + gamma_end * w2, m, i, M, I, I)
-        store_tile(inc2_out + bh * M * I, inc2, m, i, M, I, I)
+        store_tile(w2_out, change2 + gamma_end * w2, m, i, M, I, I)
         inc1 = tl.dot(tl.trans(scaled_e), gelu(pre), input_precision=DOT)
-        store_tile(w1_out + bh * O * M, inc1 + gamma_end * w1, o, m, O, M, M)
-        store_tile(inc1_out + bh * O * M, inc1, o, m, O, M, M)
+        store_tile(w1_out, inc1 + gamma_end * w1, o, m, O, M, M)
+        if HAS_INC:
+            store_tile(inc2_out, tl.dot(tl.trans(u), keys, input_precision=DOT), m, i, M, I, I)
+            store_tile(inc1_out, inc1, o, m, O, M, M)
+
+
+@triton.jit
+def _smt_write_fwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scale_ptr,
+                   w1_out, w2_out, inc1_out, inc2_out, read_ptr,
+                   H, GH, C, CQ, I, O, M,
+                   HAS_Q: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
+                   DOT_LOSS: tl.constexpr, CP: tl.constexpr, IP: tl.constexpr,
+                   OP: tl.constexpr, BLOCK_M: tl.constexpr, SQUARINGS: tl.constexpr,
+                   DOT: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    gh = bh % GH
+    head = bh // GH * H + gh % H  # the shared inputs' head
+    t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
+    live = t < C
+    k = load_tile(k_ptr + head * C * I, t, i, C, I, I)
+    v = load_tile(v_ptr + head * C * I, t, i, C, I, I)
+    q = load_tile(q_ptr + head * CQ * I, t, i, CQ if HAS_Q else 0, I, I)
+    eta_in = tl.load(eta_ptr + head * C + t, mask=live, other=0.0)
+    alpha = tl.load(alpha_ptr + head * C + t, mask=live, other=1.0)
+    skip = 1.0
+    if HAS_SCALE:
+        skip = tl.load(scale_ptr + gh)
+    a, b = bh * O * M, bh * M * I
+    write_member_fwd(w1_ptr + a, w2_ptr + b, w1_out + a, w2_out + b, inc1_out + a, inc2_out + b,
+                     read_ptr + bh * CQ * O, k, v, q, eta_in, alpha, skip, t, i, o, live, CQ,
+                     I, O, M, HAS_Q, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
+                     SQUARINGS, DOT)  # fmt: skip
 
 
 @triton.jit
@@ -155,6 +171,99 @@ def _write_grads_of(w1_ptr, w2_ptr, gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, m, i, o,
     g1 = gw1 + load_tile(gi1_ptr, o, m, O if HAS_GI1 else 0, M, M)  # inc1's path
     gi2 = load_tile(gi2_ptr, m, i, M if HAS_GI2 else 0, I, I)
     return w1, w2, gw1, gw2, g1, gi2
+
+
+@triton.jit
+def write_member_bwd(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g, gread_g, dw1_g, dw2_g,
+                     k, v, q, eta_in, alpha, skip, t, i, o, live, CQ, I, O, M,
+                     HAS_Q: tl.constexpr, HAS_SKIP: tl.constexpr, DOT_LOSS: tl.constexpr,
+                     HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
+                     HAS_GI2: tl.constexpr, HAS_GREAD: tl.constexpr, CP: tl.constexpr,
+                     IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """One member's share of the write's backward (pointers at this member's head):
+    dW1, dW2 stored at dw1_g, dw2_g; returns its shares of d(k, v, q, eta, alpha)."""
+    # The forward again: E, the bound, the write's C x C terms.
+    pred, v_hat, _, back_sq, gram = _pass_forward(w1_g, w2_g, k, v, q, t, i, o, I, O, M,
+                                                  False, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    if HAS_SKIP:  # O == I
+        pred += skip * k
+        v_hat += skip * v
+    err = -v_hat if DOT_LOSS else 2.0 * (pred - v_hat)
+    gain = 1.0 / (1.0 + _bound(k, gram, back_sq, eta_in, live, DOT))
+    terms = chunk_terms_of(k, eta_in * gain, alpha, t, i, live, CP, SQUARINGS, DOT)
+    eta, keys, gamma_prev = terms[3], terms[11], terms[12]
+    end_over_s, gamma_end = terms[13], terms[14]
+    c1 = -eta * end_over_s
+    hom_coef = -eta * gamma_prev
+    # The write's backward (``triton_kernels._dgd_chunk_bwd`` with A, D, W2 k recomputed).
+    a_g = tl.zeros([CP, OP], dtype=k.dtype)
+    d_keys = tl.zeros([CP, IP], dtype=k.dtype)
+    d_hom = tl.zeros([CP], dtype=k.dtype)
+    d_eta = tl.zeros([CP], dtype=k.dtype)
+    d_gain = tl.zeros([BLOCK_M], dtype=k.dtype)
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        w1, w2, gw1, gw2, g1, gi2 = _write_grads_of(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g,
+                                                    m, i, o, I, O, M, HAS_GW1, HAS_GW2,
+                                                    HAS_GI1, HAS_GI2)  # fmt: skip
+        pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
+        d = tl.dot(err, w1, input_precision=DOT) * slope_of(pre)
+        u = -eta[:, None] * d
+        rhs = u + hom_coef[:, None] * pre
+        d_gain += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
+        a_g += tl.dot(gelu(pre), tl.trans(g1), input_precision=DOT)
+        d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
+        d_u = d_rhs + tl.dot(keys, tl.trans(gi2), input_precision=DOT)
+        d_keys += tl.dot(rhs, gw2, input_precision=DOT) + tl.dot(u, gi2, input_precision=DOT)
+        d_hom += tl.sum(pre * d_rhs, 1)
+        d_eta -= tl.sum(d * d_u, 1)
+    d_k, d_eta_cc, d_alpha = dgd_cc_backward(err, a_g, d_keys, d_hom, d_gain, terms, DOT)
+    d_eta_in = (d_eta + d_eta_cc) * gain  # the bound rho is not differentiated
+    # The pass's backward: dL/dE from inc1 and from D = (E W1) ⊙ gelu'(W2 k).
+    g_err = c1[:, None] * a_g
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        w1, w2, gw1, gw2, g1, gi2 = _write_grads_of(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g,
+                                                    m, i, o, I, O, M, HAS_GW1, HAS_GW2,
+                                                    HAS_GI1, HAS_GI2)  # fmt: skip
+        slope = slope_of(tl.dot(k, tl.trans(w2), input_precision=DOT))
+        d_u = tl.dot(keys, tl.trans(gw2 + gi2), input_precision=DOT)
+        g_err += tl.dot(-eta[:, None] * d_u * slope, tl.trans(w1), input_precision=DOT)
+    g_pred = tl.zeros([CP, OP], dtype=k.dtype) if DOT_LOSS else 2.0 * g_err
+    g_vhat = -g_err if DOT_LOSS else -2.0 * g_err
+    g_read = load_tile(gread_g, t, o, CQ if HAS_GREAD else 0, O, O)
+    d_v = tl.zeros([CP, IP], dtype=k.dtype)
+    d_q = tl.zeros([CP, IP], dtype=k.dtype)
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        w1, w2, gw1, gw2, g1, gi2 = _write_grads_of(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g,
+                                                    m, i, o, I, O, M, HAS_GW1, HAS_GW2,
+                                                    HAS_GI1, HAS_GI2)  # fmt: skip
+        pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
+        act, slope = gelu(pre), slope_of(pre)
+        d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
+        g_hid = -eta[:, None] * (d_rhs + tl.dot(keys, tl.trans(gi2), input_precision=DOT))
+        g_act = tl.dot(g_pred, w1, input_precision=DOT)
+        g_act += c1[:, None] * tl.dot(err, g1, input_precision=DOT)
+        g_slope = g_hid * tl.dot(err, w1, input_precision=DOT)
+        g_pre = g_slope * curve_of(pre) + g_act * slope + hom_coef[:, None] * d_rhs
+        d_w1 = gamma_end * gw1 + tl.dot(tl.trans(g_pred), act, input_precision=DOT)
+        d_w1 += tl.dot(tl.trans(err), g_hid * slope, input_precision=DOT)
+        d_w2 = gamma_end * gw2 + tl.dot(tl.trans(g_pre), k, input_precision=DOT)
+        d_k += tl.dot(g_pre, w2, input_precision=DOT)
+        r_w1, r_w2, r_z = rows_backward(v, g_vhat, w1, w2, DOT)
+        d_w1, d_w2, d_v = d_w1 + r_w1, d_w2 + r_w2, d_v + r_z
+        if HAS_Q and HAS_GREAD:
+            r_w1, r_w2, r_z = rows_backward(q, g_read, w1, w2, DOT)
+            d_w1, d_w2, d_q = d_w1 + r_w1, d_w2 + r_w2, d_q + r_z
+        store_tile(dw1_g, d_w1, o, m, O, M, M)
+        store_tile(dw2_g, d_w2, m, i, M, I, I)
+    if HAS_SKIP:  # O == I
+        d_k += skip * g_pred
+        d_v += skip * g_vhat
+        d_q += skip * g_read
+    return d_k, d_v, d_q, d_eta_in, d_alpha
 
 
 @triton.jit
@@ -184,93 +293,21 @@ def _smt_write_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scal
     for g in range(0, GH // H):
         gh = g * H + head % H
         bh = head // H * GH + gh
-        w1_g, w2_g = w1_ptr + bh * O * M, w2_ptr + bh * M * I
-        gw1_g, gi1_g = gw1_ptr + bh * O * M, gi1_ptr + bh * O * M
-        gw2_g, gi2_g = gw2_ptr + bh * M * I, gi2_ptr + bh * M * I
-        # The forward again: E, the bound, the write's C x C terms.
-        pred, v_hat, _, back_sq, gram = _pass_forward(w1_g, w2_g, k, v, q, t, i, o, I, O, M,
-                                                      False, CP, OP, BLOCK_M, DOT)  # fmt: skip
-        skip = 0.0
-        if HAS_SCALE or RESIDUAL:  # O == I
-            skip = 1.0
-            if HAS_SCALE:
-                skip = tl.load(scale_ptr + gh)
-            pred += skip * k
-            v_hat += skip * v
-        err = -v_hat if DOT_LOSS else 2.0 * (pred - v_hat)
-        gain = 1.0 / (1.0 + _bound(k, gram, back_sq, eta_in, live, DOT))
-        terms = chunk_terms_of(k, eta_in * gain, alpha, t, i, live, CP, SQUARINGS, DOT)
-        eta, keys, gamma_prev = terms[3], terms[11], terms[12]
-        end_over_s, gamma_end = terms[13], terms[14]
-        c1 = -eta * end_over_s
-        hom_coef = -eta * gamma_prev
-        # The write's backward (``triton_kernels._dgd_chunk_bwd`` with A, D, W2 k recomputed).
-        a_g = tl.zeros([CP, OP], dtype=k.dtype)
-        d_keys = tl.zeros([CP, IP], dtype=k.dtype)
-        d_hom = tl.zeros([CP], dtype=k.dtype)
-        d_eta = tl.zeros([CP], dtype=k.dtype)
-        d_gain = tl.zeros([BLOCK_M], dtype=k.dtype)
-        for m0 in range(0, M, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            w1, w2, gw1, gw2, g1, gi2 = _write_grads_of(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g,
-                                                        m, i, o, I, O, M, HAS_GW1, HAS_GW2,
-                                                        HAS_GI1, HAS_GI2)  # fmt: skip
-            pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
-            d = tl.dot(err, w1, input_precision=DOT) * slope_of(pre)
-            u = -eta[:, None] * d
-            rhs = u + hom_coef[:, None] * pre
-            d_gain += tl.sum(gw1 * w1, 0) + tl.sum(gw2 * w2, 1)
-            a_g += tl.dot(gelu(pre), tl.trans(g1), input_precision=DOT)
-            d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
-            d_u = d_rhs + tl.dot(keys, tl.trans(gi2), input_precision=DOT)
-            d_keys += tl.dot(rhs, gw2, input_precision=DOT) + tl.dot(u, gi2, input_precision=DOT)
-            d_hom += tl.sum(pre * d_rhs, 1)
-            d_eta -= tl.sum(d * d_u, 1)
-        d_k_cc, d_eta_cc, d_alpha_cc = dgd_cc_backward(err, a_g, d_keys, d_hom, d_gain, terms, DOT)
-        d_k += d_k_cc
-        d_alpha += d_alpha_cc
-        d_eta_in += (d_eta + d_eta_cc) * gain  # the bound rho is not differentiated
-        # The pass's backward: dL/dE from inc1 and from D = (E W1) ⊙ gelu'(W2 k).
-        g_err = c1[:, None] * a_g
-        for m0 in range(0, M, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            w1, w2, gw1, gw2, g1, gi2 = _write_grads_of(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g,
-                                                        m, i, o, I, O, M, HAS_GW1, HAS_GW2,
-                                                        HAS_GI1, HAS_GI2)  # fmt: skip
-            slope = slope_of(tl.dot(k, tl.trans(w2), input_precision=DOT))
-            d_u = tl.dot(keys, tl.trans(gw2 + gi2), input_precision=DOT)
-            g_err += tl.dot(-eta[:, None] * d_u * slope, tl.trans(w1), input_precision=DOT)
-        g_pred = tl.zeros([CP, OP], dtype=k.dtype) if DOT_LOSS else 2.0 * g_err
-        g_vhat = -g_err if DOT_LOSS else -2.0 * g_err
-        g_read = load_tile(gread_ptr + bh * CQ * O, t, o, CQ if HAS_GREAD else 0, O, O)
-        for m0 in range(0, M, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            w1, w2, gw1, gw2, g1, gi2 = _write_grads_of(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g,
-                                                        m, i, o, I, O, M, HAS_GW1, HAS_GW2,
-                                                        HAS_GI1, HAS_GI2)  # fmt: skip
-            pre = tl.dot(k, tl.trans(w2), input_precision=DOT)
-            act, slope = gelu(pre), slope_of(pre)
-            d_rhs = tl.dot(keys, tl.trans(gw2), input_precision=DOT)
-            g_hid = -eta[:, None] * (d_rhs + tl.dot(keys, tl.trans(gi2), input_precision=DOT))
-            g_act = tl.dot(g_pred, w1, input_precision=DOT)
-            g_act += c1[:, None] * tl.dot(err, g1, input_precision=DOT)
-            g_slope = g_hid * tl.dot(err, w1, input_precision=DOT)
-            g_pre = g_slope * curve_of(pre) + g_act * slope + hom_coef[:, None] * d_rhs
-            d_w1 = gamma_end * gw1 + tl.dot(tl.trans(g_pred), act, input_precision=DOT)
-            d_w1 += tl.dot(tl.trans(err), g_hid * slope, input_precision=DOT)
-            d_w2 = gamma_end * gw2 + tl.dot(tl.trans(g_pre), k, input_precision=DOT)
-            d_k += tl.dot(g_pre, w2, input_precision=DOT)
-            r_w1, r_w2, r_z = rows_backward(v, g_vhat, w1, w2, DOT)
-            d_w1, d_w2, d_v = d_w1 + r_w1, d_w2 + r_w2, d_v + r_z
-            if HAS_Q and HAS_GREAD:
-                r_w1, r_w2, r_z = rows_backward(q, g_read, w1, w2, DOT)
-                d_w1, d_w2, d_q = d_w1 + r_w1, d_w2 + r_w2, d_q + r_z
-            store_tile(dw1_ptr + bh * O * M, d_w1, o, m, O, M, M)
-            store_tile(dw2_ptr + bh * M * I, d_w2, m, i, M, I, I)
-        if HAS_SCALE or RESIDUAL:  # O == I
-            d_k += skip * g_pred
-            d_v += skip * g_vhat
-            d_q += skip * g_read
+        skip = 1.0
+        if HAS_SCALE:
+            skip = tl.load(scale_ptr + gh)
+        a, b = bh * O * M, bh * M * I
+        share = write_member_bwd(w1_ptr + a, w2_ptr + b, gw1_ptr + a, gw2_ptr + b, gi1_ptr + a,
+                                 gi2_ptr + b, gread_ptr + bh * CQ * O, dw1_ptr + a, dw2_ptr + b,
+                                 k, v, q, eta_in, alpha, skip, t, i, o, live, CQ, I, O, M,
+                                 HAS_Q, HAS_SCALE or RESIDUAL, DOT_LOSS, HAS_GW1, HAS_GW2,
+                                 HAS_GI1, HAS_GI2, HAS_GREAD, CP, IP, OP, BLOCK_M, SQUARINGS,
+                                 DOT)  # fmt: skip
+        d_k += share[0]
+        d_v += share[1]
+        d_q += share[2]
+        d_eta_in += share[3]
+        d_alpha += share[4]
     store_tile(dk_ptr + head * C * I, d_k, t, i, C, I, I)
     store_tile(dv_ptr + head * C * I, d_v, t, i, C, I, I)
     if HAS_Q:

@@ -1,0 +1,384 @@
+"""Triton kernels of ``hope::smt_step`` and its backward (``smt_step.py``): one program
+per (sample, head) running the chunk step of every stacked member of that head.
+
+Forward: the generating members on x~ (hidden-block walks, ``_apply``), the eq. 83
+epilogue in registers, then each member's write (``triton_write.write_member_fwd``,
+the read of M_mem riding on its write when it is the stack's last member), else
+M_mem's read apart. Backward: the generation again, each member's write backward
+(``write_member_bwd``, dW1 and dW2 stored), M_mem's read backward, the epilogue's
+backward, and the generation's backward added to the stored dW1, dW2 (after a
+barrier: other threads of the program stored them). Padding and precision as in
+``triton_pass.py``; tested on a CPU with ``TRITON_INTERPRET=1`` against
+``smt_step_reference`` and its backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from hope.memory.ops.pointwise import EPS
+from hope.memory.ops.triton_generation import _unit, _unit_backward
+from hope.memory.ops.triton_kernels import flat_heads, load_tile, store_tile
+from hope.memory.ops.triton_pass import gelu, pad_size, rows_backward
+from hope.memory.ops.triton_write import write_member_bwd, write_member_fwd
+
+
+@triton.jit
+def _apply(w1_ptr, w2_ptr, z, i, o, I, O, M, CP: tl.constexpr, OP: tl.constexpr,
+           BLOCK_M: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """W1 gelu(W2 z) for rows z [CP, IP] (the skip is the caller's)."""
+    out = tl.zeros([CP, OP], dtype=z.dtype)
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        pre = tl.dot(z, tl.trans(load_tile(w2_ptr, m, i, M, I, I)), input_precision=DOT)
+        out += tl.dot(gelu(pre), tl.trans(load_tile(w1_ptr, o, m, O, M, M)), input_precision=DOT)
+    return out
+
+
+@triton.jit
+def _skip(scale_ptr, gh, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr):
+    skip = 1.0 if RESIDUAL else 0.0
+    if HAS_SCALE:
+        skip = tl.load(scale_ptr + gh)
+    return skip
+
+
+@triton.jit
+def _raw(w1_ptr, w2_ptr, scale_ptr, x, b, g, h, H, GH, i, o, I, O, M, HAS_SCALE: tl.constexpr,
+         RESIDUAL: tl.constexpr, CP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+         DOT: tl.constexpr):  # fmt: skip
+    """Generating member g's output M_g(x~) with its skip."""
+    sh = b * GH + g * H + h
+    out = _apply(w1_ptr + sh * O * M, w2_ptr + sh * M * I, x, i, o, I, O, M, CP, OP, BLOCK_M, DOT)
+    return out + _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL) * x
+
+
+@triton.jit
+def _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o, live,
+                H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY: tl.constexpr,
+                HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, CP: tl.constexpr,
+                OP: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
+                DOT: tl.constexpr):  # fmt: skip
+    """Eq. 83 for one head: the members' raw outputs (k, v, q or x W_q, eta's and
+    alpha's first column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1)."""
+    raw_k = _raw(
+        w1_ptr,
+        w2_ptr,
+        scale_ptr,
+        x,
+        b,
+        0,
+        h,
+        H,
+        GH,
+        i,
+        o,
+        I,
+        O,
+        M,
+        HAS_SCALE,
+        RESIDUAL,
+        CP,
+        OP,
+        BLOCK_M,
+        DOT,
+    )
+    raw_v = _raw(
+        w1_ptr,
+        w2_ptr,
+        scale_ptr,
+        x,
+        b,
+        1,
+        h,
+        H,
+        GH,
+        i,
+        o,
+        I,
+        O,
+        M,
+        HAS_SCALE,
+        RESIDUAL,
+        CP,
+        OP,
+        BLOCK_M,
+        DOT,
+    )
+    if HAS_QUERY:
+        raw_q = load_tile(query_ptr + head * C * I, t, i, C, I, I)
+        first = 2
+    else:
+        raw_q = _raw(
+            w1_ptr,
+            w2_ptr,
+            scale_ptr,
+            x,
+            b,
+            2,
+            h,
+            H,
+            GH,
+            i,
+            o,
+            I,
+            O,
+            M,
+            HAS_SCALE,
+            RESIDUAL,
+            CP,
+            OP,
+            BLOCK_M,
+            DOT,
+        )
+        first = 3
+    column = o[None, :] == 0  # the scalar memories' output
+    out = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, first, h, H, GH, i, o, I, O, M, HAS_SCALE,
+               RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    raw_eta = tl.sum(tl.where(column, out, 0.0), 1)
+    out = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, first + 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
+               RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    raw_alpha = tl.sum(tl.where(column, out, 0.0), 1)
+    softplus = tl.where(raw_eta > 20.0, raw_eta, tl.log(1.0 + tl.exp(tl.minimum(raw_eta, 20.0))))
+    eta = tl.where(live, eta_scale * softplus, 0.0)
+    alpha = 1.0 / (1.0 + tl.exp(-(raw_alpha + tl.load(bias_ptr + b * BIAS_STRIDE + h))))
+    alpha = tl.where(live, alpha, 1.0)
+    k, v, q = _unit(raw_k, EPS)[0], _unit(raw_v, EPS)[0], _unit(raw_q, EPS)[0]
+    return raw_k, raw_v, raw_q, raw_eta, k, v, q, eta, alpha
+
+
+@triton.jit
+def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
+                  w1_out, w2_out, inc1_out, inc2_out, k_out, v_out, q_out, eta_out, alpha_out,
+                  read_out, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale,
+                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr, CP: tl.constexpr,
+                  IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  SQUARINGS: tl.constexpr, EPS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    head = tl.program_id(0).to(tl.int64)  # b * H + h
+    b, h = head // H, head % H
+    t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
+    live = t < C
+    x = load_tile(x_ptr + head * C * I, t, i, C, I, I)
+    gen = _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
+                      live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
+                      RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
+    k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
+    rows = head * C * I
+    store_tile(k_out + rows, k, t, i, C, I, I)
+    store_tile(v_out + rows, v, t, i, C, I, I)
+    store_tile(q_out + rows, q, t, i, C, I, I)
+    tl.store(eta_out + head * C + t, eta, mask=live)
+    tl.store(alpha_out + head * C + t, alpha, mask=live)
+    for g in range(0, GH // H - OWN_READ):
+        sh = b * GH + g * H + h
+        a, c = sh * O * M, sh * M * I
+        write_member_fwd(w1_ptr + a, w2_ptr + c, w1_out + a, w2_out + c, inc1_out + a,
+                         inc2_out + c, read_out, k, v, q, eta, alpha,
+                         _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
+                         O, M, False, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
+                         SQUARINGS, DOT)  # fmt: skip
+    if OWN_READ:  # M_mem, the last member: read before write, in its write
+        g = GH // H - 1
+        sh = b * GH + g * H + h
+        a, c = sh * O * M, sh * M * I
+        write_member_fwd(w1_ptr + a, w2_ptr + c, w1_out + a, w2_out + c, inc1_out + a,
+                         inc2_out + c, read_out + head * C * O, k, v, q, eta, alpha,
+                         _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
+                         O, M, True, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
+                         SQUARINGS, DOT)  # fmt: skip
+    else:  # M_mem apart (residual)
+        read = _apply(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
+                      BLOCK_M, DOT) + q  # fmt: skip
+        store_tile(read_out + head * C * O, read, t, o, C, O, O)
+
+
+@triton.jit
+def _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_raw, b, g, h, H, GH, i, o,
+                  I, O, M, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
+                  BLOCK_M: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Generating member g's share of the generation's backward: added to the stored
+    dW1, dW2; returns its share of dL/dx~."""
+    sh = b * GH + g * H + h
+    w1_ptr += sh * O * M
+    w2_ptr += sh * M * I
+    dw1_ptr += sh * O * M
+    dw2_ptr += sh * M * I
+    d_x = _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL) * g_raw
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        w2 = load_tile(w2_ptr, m, i, M, I, I)
+        w1 = load_tile(w1_ptr, o, m, O, M, M)
+        d_w1, d_w2, share = rows_backward(x, g_raw, w1, w2, DOT)
+        d_x += share
+        store_tile(dw1_ptr, load_tile(dw1_ptr, o, m, O, M, M) + d_w1, o, m, O, M, M)
+        store_tile(dw2_ptr, load_tile(dw2_ptr, m, i, M, I, I) + d_w2, m, i, M, I, I)
+    return d_x
+
+
+@triton.jit
+def _grad_rows(ptr, t, i, C, I, HAS: tl.constexpr, CP: tl.constexpr, IP: tl.constexpr):
+    return load_tile(ptr, t, i, C if HAS else 0, I, I)
+
+
+@triton.jit
+def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
+                  gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, gk_ptr, gv_ptr, gq_ptr, geta_ptr,
+                  galpha_ptr, gread_ptr, dw1_ptr, dw2_ptr, dx_ptr, dquery_ptr, dr1_ptr, dr2_ptr,
+                  dbias_ptr, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale,
+                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr, HAS_GW1: tl.constexpr,
+                  HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr, HAS_GI2: tl.constexpr,
+                  HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_GQ: tl.constexpr,
+                  HAS_GETA: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_GREAD: tl.constexpr,
+                  CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  SQUARINGS: tl.constexpr, EPS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    head = tl.program_id(0).to(tl.int64)  # b * H + h
+    b, h = head // H, head % H
+    t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
+    live = t < C
+    rows = head * C * I
+    x = load_tile(x_ptr + rows, t, i, C, I, I)
+    gen = _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
+                      live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
+                      RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
+    raw_k, raw_v, raw_q, raw_eta = gen[0], gen[1], gen[2], gen[3]
+    k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
+    d_k = _grad_rows(gk_ptr + rows, t, i, C, I, HAS_GK, CP, IP)
+    d_v = _grad_rows(gv_ptr + rows, t, i, C, I, HAS_GV, CP, IP)
+    d_q = _grad_rows(gq_ptr + rows, t, i, C, I, HAS_GQ, CP, IP)
+    d_eta = tl.load(geta_ptr + head * C + t, mask=t < (C if HAS_GETA else 0), other=0.0)
+    d_alpha = tl.load(galpha_ptr + head * C + t, mask=t < (C if HAS_GALPHA else 0), other=0.0)
+    for g in range(0, GH // H - OWN_READ):
+        sh = b * GH + g * H + h
+        a, c = sh * O * M, sh * M * I
+        share = write_member_bwd(w1_ptr + a, w2_ptr + c, gw1_ptr + a, gw2_ptr + c, gi1_ptr + a,
+                                 gi2_ptr + c, gread_ptr, dw1_ptr + a, dw2_ptr + c, k, v, q, eta,
+                                 alpha, _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i,
+                                 o, live, C, I, O, M, False, HAS_SCALE or RESIDUAL, DOT_LOSS,
+                                 HAS_GW1, HAS_GW2, HAS_GI1, HAS_GI2, False, CP, IP, OP,
+                                 BLOCK_M, SQUARINGS, DOT)  # fmt: skip
+        d_k, d_v = d_k + share[0], d_v + share[1]
+        d_eta, d_alpha = d_eta + share[3], d_alpha + share[4]
+    if OWN_READ:
+        g = GH // H - 1
+        sh = b * GH + g * H + h
+        a, c = sh * O * M, sh * M * I
+        share = write_member_bwd(w1_ptr + a, w2_ptr + c, gw1_ptr + a, gw2_ptr + c, gi1_ptr + a,
+                                 gi2_ptr + c, gread_ptr + head * C * O, dw1_ptr + a,
+                                 dw2_ptr + c, k, v, q, eta, alpha,
+                                 _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live,
+                                 C, I, O, M, True, HAS_SCALE or RESIDUAL, DOT_LOSS, HAS_GW1,
+                                 HAS_GW2, HAS_GI1, HAS_GI2, HAS_GREAD, CP, IP, OP, BLOCK_M,
+                                 SQUARINGS, DOT)  # fmt: skip
+        d_k, d_v, d_q = d_k + share[0], d_v + share[1], d_q + share[2]
+        d_eta, d_alpha = d_eta + share[3], d_alpha + share[4]
+    elif HAS_GREAD:  # M_mem apart (residual): the read's backward
+        g_read = load_tile(gread_ptr + head * C * O, t, o, C, O, O)
+        d_q += g_read
+        for m0 in range(0, M, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            w2 = load_tile(r2_ptr + head * M * I, m, i, M, I, I)
+            w1 = load_tile(r1_ptr + head * O * M, o, m, O, M, M)
+            d_w1, d_w2, share_q = rows_backward(q, g_read, w1, w2, DOT)
+            d_q += share_q
+            store_tile(dr1_ptr + head * O * M, d_w1, o, m, O, M, M)
+            store_tile(dr2_ptr + head * M * I, d_w2, m, i, M, I, I)
+    # The epilogue's backward (``triton_generation._generation_bwd``).
+    g_k, g_v = _unit_backward(raw_k, d_k, EPS), _unit_backward(raw_v, d_v, EPS)
+    g_q = _unit_backward(raw_q, d_q, EPS)
+    column = o[None, :] == 0
+    g_eta = tl.where(column, (d_eta * eta_scale / (1.0 + tl.exp(-raw_eta)))[:, None], 0.0)
+    g_pre = tl.where(live, d_alpha * alpha * (1.0 - alpha), 0.0)
+    g_alpha = tl.where(column, g_pre[:, None], 0.0)
+    tl.store(dbias_ptr + head, tl.sum(g_pre, 0))
+    tl.debug_barrier()  # the writes' dW1, dW2 are read back below
+    d_x = _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_k, b, 0, h, H, GH, i, o,
+                        I, O, M, HAS_SCALE, RESIDUAL, BLOCK_M, DOT)  # fmt: skip
+    d_x += _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_v, b, 1, h, H, GH, i,
+                         o, I, O, M, HAS_SCALE, RESIDUAL, BLOCK_M, DOT)  # fmt: skip
+    if HAS_QUERY:
+        store_tile(dquery_ptr + rows, g_q, t, i, C, I, I)
+        first = 2
+    else:
+        d_x += _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_q, b, 2, h, H, GH,
+                             i, o, I, O, M, HAS_SCALE, RESIDUAL, BLOCK_M, DOT)  # fmt: skip
+        first = 3
+    d_x += _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_eta, b, first, h, H,
+                         GH, i, o, I, O, M, HAS_SCALE, RESIDUAL, BLOCK_M, DOT)  # fmt: skip
+    d_x += _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_alpha, b, first + 1, h,
+                         H, GH, i, o, I, O, M, HAS_SCALE, RESIDUAL, BLOCK_M, DOT)  # fmt: skip
+    store_tile(dx_ptr + rows, d_x, t, i, C, I, I)
+
+
+def _sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> dict[str, Any]:
+    w1, _, x, query, r1, _, bias, scale = inputs
+    assert w1 is not None and x is not None and bias is not None
+    residual, dot, eta_scale, _ = options
+    heads, c, i = x.shape[1:]
+    gh, o, m = w1.shape[1:]
+    if o != i:
+        raise ValueError(f"smt_step: the stacked memories need d_out = d_in, got {o} != {i}")
+    cp = pad_size(c)
+    return {
+        "H": heads, "GH": gh, "C": c, "I": i, "O": o, "M": m, "BIAS_STRIDE": bias.stride(0),
+        "eta_scale": eta_scale, "HAS_QUERY": query is not None, "OWN_READ": r1 is None,
+        "HAS_SCALE": scale is not None, "RESIDUAL": residual, "DOT_LOSS": dot, "CP": cp,
+        "IP": pad_size(i), "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)),
+        "SQUARINGS": cp.bit_length() - 2, "EPS": EPS, "DOT": "ieee",
+    }  # fmt: skip
+
+
+def _flat(inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
+    """The kernels' inputs contiguous (alpha_bias as given: its batch stride is read),
+    absent ones replaced by x (never read)."""
+    w1, w2, x, query, r1, r2, bias, scale = inputs
+    assert w1 is not None and w2 is not None and x is not None and bias is not None
+    xf = flat_heads(x)
+    rest = [xf if t is None else flat_heads(t) for t in (query, r1, r2)]
+    scale_f = xf if scale is None else scale.to(w1.dtype).contiguous()
+    return [flat_heads(w1), flat_heads(w2), xf, *rest, bias, scale_f]
+
+
+def smt_step_triton(
+    inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]
+) -> tuple[Tensor, ...]:
+    """``hope::smt_step`` in one kernel launch."""
+    w1, w2, x = inputs[:3]
+    assert w1 is not None and w2 is not None and x is not None
+    b, heads, c, _ = x.shape
+    weights = [w1.new_empty(t.shape) for t in (w1, w2, w1, w2)]
+    rows = [x.new_empty(x.shape) for _ in range(3)]
+    gates = [x.new_empty(b, heads, c) for _ in range(2)]
+    read = x.new_empty(b, heads, c, w1.shape[-2])
+    _smt_step_fwd[(b * heads,)](*_flat(inputs), *weights, *rows, *gates, read,
+                                **_sizes(inputs, options))  # fmt: skip
+    return (*weights, *rows, *gates, read)
+
+
+def smt_step_backward_triton(
+    inputs: tuple[Tensor | None, ...], options: tuple[Any, ...], grads: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """``hope::smt_step_backward`` in one kernel launch."""
+    w1, w2, x, query, r1, r2, bias, _ = inputs
+    assert w1 is not None and w2 is not None and x is not None and bias is not None
+    flat = _flat(inputs)
+    g_flat = [flat[2] if g is None else flat_heads(g) for g in grads]
+    has_mem = r1 is not None and grads[-1] is not None
+    outs = (w1.new_empty(w1.shape), w1.new_empty(w2.shape), x.new_empty(x.shape),
+            None if query is None else x.new_empty(x.shape),
+            r1.new_empty(r1.shape) if has_mem and r1 is not None else None,
+            r2.new_empty(r2.shape) if has_mem and r2 is not None else None,
+            x.new_empty(x.shape[:2]))  # fmt: skip
+    flags = ("HAS_GW1", "HAS_GW2", "HAS_GI1", "HAS_GI2", "HAS_GK", "HAS_GV", "HAS_GQ",
+             "HAS_GETA", "HAS_GALPHA", "HAS_GREAD")  # fmt: skip
+    _smt_step_bwd[(x.shape[0] * x.shape[1],)](
+        *flat, *g_flat, *(flat[2] if t is None else t for t in outs),
+        **{f: g is not None for f, g in zip(flags, grads, strict=True)},
+        **_sizes(inputs, options),
+    )  # fmt: skip
+    return outs

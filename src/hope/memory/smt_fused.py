@@ -1,0 +1,61 @@
+"""The SMT's chunk step as one operator, ``hope::smt_step`` (memory backend ``fused``).
+
+Under the SMT's default rule (preconditioned DGD without momentum, reads at the
+chunk-start state, no teach pieces) a complete C_o chunk is the generation (eq. 83),
+the write of every memory written every C_o tokens (eqs. 84, 88) and M_mem's read
+(eq. 94): one launch each way (``memory/ops/smt_step.py``). M_mem's write every C_m
+tokens from the pending chunks is the same in both paths (``write_pending``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from hope.memory.ops.smt_step import smt_step
+from hope.memory.smt_state import CallPlan, ChunkCarry, ChunkInputs, Generated, join_generated
+
+if TYPE_CHECKING:
+    from hope.memory.smt import SelfModifyingTitans
+
+
+def write_pending(
+    smt: SelfModifyingTitans, carry: ChunkCarry, gen: Generated, loop: CallPlan
+) -> None:
+    """Adds a written C_o chunk to M_mem's pending ones and, once they make C_m tokens,
+    writes M_mem from them as one chunk (in place in ``carry``)."""
+    carry.pending.append(gen)
+    carry.pending_len += gen.length
+    if carry.pending_len == smt.cfg.mem_chunk:
+        pending, flush = carry.pending, loop.flush
+        joined = pending[0] if len(pending) == 1 else join_generated(pending)
+        carry.stacks[flush.key] = loop.write(
+            smt, carry.stacks[flush.key], flush, joined, loop.backend
+        )[0]
+        carry.pending, carry.pending_len = [], 0
+
+
+def fused_chunk_step(
+    smt: SelfModifyingTitans, carry: ChunkCarry, xq: ChunkInputs, loop: CallPlan, bias: Tensor
+) -> tuple[ChunkCarry, Tensor]:
+    """One complete C_o chunk (``SelfModifyingTitans._chunk_step``) through
+    ``hope::smt_step``; ``carry`` is the step's own copy, updated in place. ``bias``:
+    b_alpha expanded to [B, H] once per call, so its gradient is summed once."""
+    xc, query = xq
+    group, flush = loop.plan[0], loop.flush  # the generators first; M_mem last when C_o = C_m
+    fast = carry.stacks[group.key]
+    work = fast.w1.dtype
+    residual = smt._residual(group)
+    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
+    mem = None if group is flush else carry.stacks[flush.key]
+    out = smt_step(
+        fast.w1, fast.w2, xc.to(work), None if query is None else query.to(work),
+        None if mem is None else mem.w1, None if mem is None else mem.w2, bias.to(work), scale,
+        residual is True, smt.cfg.objective == "dot", smt.cfg.eta_scale, len(group.generators),
+    )  # fmt: skip
+    carry.stacks[group.key] = fast.with_weights(*out[:4])
+    if mem is not None:
+        write_pending(smt, carry, Generated(*out[4:9]), loop)
+    carry.chunks_done += 1
+    return carry, out[9]
