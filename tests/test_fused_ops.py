@@ -28,6 +28,7 @@ from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.cms_factor_scan import cms_factor_scan, cms_factor_scan_reference
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.generation import smt_generation
 from hope.memory.ops.memory_apply import memory_apply
@@ -417,6 +418,30 @@ def test_fused_smt_step_equals_the_operators_it_joins(own_read: bool, adaptive: 
     assert counts[0] >= 3 and counts[1] >= 10, counts
 
 
+def test_fused_cms_factor_scan_is_one_launch_with_the_reference_values() -> None:
+    """``hope::cms_factor_scan``: the CMS dual form's chunk scan, one launch instead of
+    ~6 per fired chunk, the same values (on a CPU its form is the reference; the Triton
+    kernel is compared with it in the interpreter and on CUDA)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, fired, hid, chunk = 24, 20, 12, 4
+    chunk_of = torch.arange(rows) // chunk
+    earlier = chunk_of[:, None] > chunk_of[None, :fired]
+    key, teach = (torch.randn(2, rows, fired, generator=gen, dtype=DT) * earlier for _ in "kt")
+    pre_0, back_0 = (torch.randn(2, rows, hid, generator=gen, dtype=DT) for _ in "pb")
+    with LaunchCounter() as fused:
+        got = cms_factor_scan(pre_0, back_0, key, teach, chunk)
+    with LaunchCounter() as loop:
+        want = cms_factor_scan_reference(pre_0, back_0, key, teach, chunk)
+    for x_, y_ in zip(got, want, strict=True):
+        torch.testing.assert_close(x_, y_, rtol=0, atol=0)
+    # The first chunk reads the carried state only; later ones the earlier factors too.
+    torch.testing.assert_close(got[0][:, :chunk], F.gelu(pre_0[:, :chunk]), rtol=0, atol=0)
+    assert (got[0][:, chunk:] - F.gelu(pre_0[:, chunk:fired])).abs().min() > 0
+    assert fused.count == 1 and loop.count >= 5 * fired // chunk, (fused.count, loop.count)
+    with pytest.raises(ValueError, match="20 tokens in chunks of 3"):
+        cms_factor_scan(pre_0, back_0, key, teach, 3)
+
+
 def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     """The bound rho alone (Titans' cap) and the SMT's bounded step eta / (1 + rho) with
     its gradient (rho not differentiated): one launch each way under ``fused``."""
@@ -578,7 +603,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 150
+    assert len(errors) == 156
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 
@@ -608,7 +633,7 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
         "_dgd_chunk_fwd", "_dgd_chunk_bwd", "_momentum_fwd", "_momentum_bwd", "_normalize",
         "_overshoot", "_memory_pass_fwd", "_memory_pass_bwd", "_memory_apply_fwd",
         "_memory_apply_bwd", "_generation_fwd", "_generation_bwd", "_smt_write_fwd",
-        "_smt_write_bwd", "_smt_step_fwd", "_smt_step_bwd",
+        "_smt_write_bwd", "_smt_step_fwd", "_smt_step_bwd", "_cms_scan",
     }  # fmt: skip
     assert set(kernels) == expected
     for name, info in kernels.items():

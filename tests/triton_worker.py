@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.cms_factor_scan import cms_factor_scan_reference
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
 from hope.memory.ops.generation import (
     smt_generation_backward_reference,
@@ -23,6 +24,7 @@ from hope.memory.ops.pointwise import l2_normalize_backward_reference
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
+from hope.memory.ops.triton_cms import cms_factor_scan_triton
 from hope.memory.ops.triton_generation import (
     smt_generation_backward_triton,
     smt_generation_triton,
@@ -329,6 +331,31 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+# The CMS chunk scan (rows L >= F fired tokens, F, hidden width, chunk): one-token
+# chunks, a chunk wider than a row block, hidden blocks with a ragged last one, rows
+# past the fired ones.
+CMS_SCAN_CASES = [(12, 12, 20, 1), (96, 96, 16, 48), (40, 32, 136, 8)]
+
+
+def cms_scan_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::cms_factor_scan``'s kernel against its reference, on block-causal scores
+    (a token's row is nonzero only at earlier chunks' tokens, as ``cms_dual`` makes
+    them)."""
+    errors = {}
+    for rows, fired, hid, chunk in CMS_SCAN_CASES:
+        gen = torch.Generator().manual_seed(rows + hid)
+        chunk_of = torch.arange(rows) // chunk
+        earlier = chunk_of[:, None] > chunk_of[None, :fired]
+        key, teach = ((torch.randn(2, rows, fired, generator=gen, dtype=torch.float64)
+                       / fired**0.5 * earlier).to(device, dtype) for _ in range(2))  # fmt: skip
+        pre_0, back_0 = (torch.randn(2, rows, hid, generator=gen, dtype=torch.float64)
+                         .to(device, dtype) for _ in range(2))  # fmt: skip
+        x = (pre_0, back_0, key, teach, chunk)
+        name = f"cms_scan_F{fired}_C{chunk}_h{hid}_{str(dtype).removeprefix('torch.')}"
+        errors[name] = worst(cms_factor_scan_triton(*x), cms_factor_scan_reference(*x))
+    return errors
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -359,6 +386,7 @@ def main(
         errors |= generation_errors(dtype, device)
         errors |= write_errors(dtype, device)
         errors |= step_errors(dtype, device)
+        errors |= cms_scan_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

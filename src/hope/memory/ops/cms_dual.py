@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hope.layers import gelu_backward
 from hope.memory.cms_state import ChunkLayout, LevelState
+from hope.memory.ops.cms_factor_scan import cms_factor_scan, cms_factor_scan_reference
+from hope.memory.ops.dispatch import resolve_backend
 from hope.optim.inner import InnerRule
 
 # Sources of Δ_n: 0 = carried Δ_0, 1 = carried momentum m_0, 2 + i = chunk i's G_i.
@@ -135,15 +136,10 @@ def _scan_factors(
     back_0 = teach @ w_out + _carried(teach, out_t0, mom_t0, c_delta, c_mom)
     key_scores = (inputs @ inputs[:, :fired].transpose(1, 2)) * token_coef
     teach_scores = (teach @ teach[:, :fired].transpose(1, 2)) * token_coef
-    hidden = inputs.new_zeros(batch, fired, w_in.shape[0])
-    back = torch.zeros_like(hidden)
-    for j in range(layout.n_fire):
-        rows = slice(j * chunk, (j + 1) * chunk)
-        pre = torch.baddbmm(pre_0[:, rows], key_scores[:, rows], back)
-        hidden[:, rows] = F.gelu(pre)
-        signal = torch.baddbmm(back_0[:, rows], teach_scores[:, rows], hidden)
-        back[:, rows] = gelu_backward(signal, pre)
-    return hidden, back
+    scan = (pre_0, back_0, key_scores, teach_scores, chunk)
+    if resolve_backend(None) == "fused":  # one operator instead of ~6 launches per chunk
+        return cms_factor_scan(*scan)
+    return cms_factor_scan_reference(*scan)
 
 
 def dual_teach_read(

@@ -1,0 +1,65 @@
+"""The chunk scan of a CMS level's dual form as one operator (backend ``fused``):
+``hope::cms_factor_scan``.
+
+``cms_dual`` reads a level through Δ_j without forming it, but the chunk-start factors
+stay sequential (NL eq. 31): for each fired chunk j of C tokens, with earlier chunks'
+factors already known,
+
+  z_t = z⁰_t + Σ_{s in chunks < j} κ_ts u_s,   h_t = gelu(z_t)
+  u_t = (b⁰_t + Σ_{s in chunks < j} λ_ts h_s) ⊙ gelu'(z_t)
+
+(κ, λ the coefficient-weighted key and teach score matrices, z⁰, b⁰ the reads through
+the carried state). As PyTorch ops that is ~6 launches per fired chunk (two batched
+products, the GELU and its slope, two row copies): ~400 per layer-step at the pilot
+chunking. Every hidden unit evolves on its own, so one program per (sample, block of
+hidden units) walks the chunks in order (``triton_cms.py``): one launch. No gradient
+(the level's writes are under stop-gradient). Elsewhere the loop in PyTorch ops,
+which is this operator's reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hope.layers import gelu_backward
+
+
+def cms_factor_scan_reference(
+    pre_0: Tensor, back_0: Tensor, key_scores: Tensor, teach_scores: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """(h, u) [B, F, h] of the F = n_fire * C fired tokens (module docstring); pre_0,
+    back_0 [B, >= F, h], key_scores, teach_scores [B, >= F, F]."""
+    batch, fired = pre_0.shape[0], key_scores.shape[-1]
+    hidden = pre_0.new_zeros(batch, fired, pre_0.shape[-1])
+    back = torch.zeros_like(hidden)
+    for j in range(fired // chunk):
+        rows = slice(j * chunk, (j + 1) * chunk)
+        pre = torch.baddbmm(pre_0[:, rows], key_scores[:, rows], back)
+        hidden[:, rows] = F.gelu(pre)
+        signal = torch.baddbmm(back_0[:, rows], teach_scores[:, rows], hidden)
+        back[:, rows] = gelu_backward(signal, pre)
+    return hidden, back
+
+
+@torch.library.custom_op("hope::cms_factor_scan", mutates_args=())
+def cms_factor_scan(
+    pre_0: Tensor, back_0: Tensor, key_scores: Tensor, teach_scores: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``cms_factor_scan_reference`` in one launch on CUDA (module docstring)."""
+    if key_scores.shape[-1] % chunk:
+        raise ValueError(f"cms_factor_scan: {key_scores.shape[-1]} tokens in chunks of {chunk}")
+    if pre_0.device.type == "cuda":
+        from hope.memory.ops.triton_cms import cms_factor_scan_triton
+
+        return cms_factor_scan_triton(pre_0, back_0, key_scores, teach_scores, chunk)
+    return cms_factor_scan_reference(pre_0, back_0, key_scores, teach_scores, chunk)
+
+
+@cms_factor_scan.register_fake
+def _(
+    pre_0: Tensor, back_0: Tensor, key_scores: Tensor, teach_scores: Tensor, chunk: int
+) -> tuple[Tensor, Tensor]:
+    out = pre_0.new_empty(pre_0.shape[0], key_scores.shape[-1], pre_0.shape[-1])
+    return out, torch.empty_like(out)
