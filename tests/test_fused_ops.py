@@ -371,16 +371,22 @@ def test_fused_smt_write_equals_the_pytorch_pass_bound_and_write(reads: int) -> 
     assert (forward.count, backward.count) == (1, 1)
 
 
-@pytest.mark.parametrize("own_read", [True, False], ids=["mem_in_stack", "mem_apart"])
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_q", "adaptive_q"])
-def test_fused_smt_step_equals_the_operators_it_joins(own_read: bool, adaptive: bool) -> None:
+@pytest.mark.parametrize(
+    ("own_read", "adaptive", "held"),
+    [(True, False, 0), (True, True, 0), (False, False, 0), (False, True, 5), (False, False, 10)],
+    ids=["mem_in_stack", "mem_in_stack-adaptive_q", "mem_apart", "pending-adaptive_q", "flush"],
+)
+def test_fused_smt_step_equals_the_operators_it_joins(
+    own_read: bool, adaptive: bool, held: int
+) -> None:
     """``hope::smt_step`` equals ``memory_apply`` (generation) -> ``smt_generation`` ->
-    ``smt_write`` (+ M_mem's read, in the write or apart) composed: every output and
-    every input's gradient, bit for bit (the PyTorch form is that composition). One
-    launch each way; the composition is 3-4 forward and 10+ backward."""
-    gen = torch.Generator().manual_seed(2 * own_read + adaptive)
+    ``smt_write`` (+ M_mem's read, in the write or apart; + the pending tokens joined and,
+    once they make C_m = 15 tokens, M_mem's ``smt_write``) composed: every output and every
+    input's gradient, bit for bit (the PyTorch form is that composition). One launch each
+    way; the composition is 3-9 forward and 10+ backward."""
+    gen = torch.Generator().manual_seed(2 * own_read + adaptive + held)
     b, h, c, d, m = 2, 3, 5, 8, 12
-    g = 5 if adaptive else 4
+    g, flush = 5 if adaptive else 4, held + c == 15
     members = g + own_read
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -388,29 +394,46 @@ def test_fused_smt_step_equals_the_operators_it_joins(own_read: bool, adaptive: 
 
     w1, w2 = rand(b, members * h, d, m, scale=0.3), rand(b, members * h, m, d, scale=0.5)
     x, query = rand(b, h, c, d), None if adaptive else rand(b, h, c, d)
-    r1, r2 = (
-        (None, None) if own_read else (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
-    )
+    mem = (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
+    r1, r2 = (None, None) if own_read else mem
+    rows = F.normalize(torch.randn(b, h, held, 3, d, generator=gen, dtype=DT), dim=-1)
+    steps, decays = (torch.rand(b, h, held, generator=gen, dtype=DT) for _ in "sd")
+    gates = torch.stack((0.05 + 0.5 * steps, 0.6 + 0.4 * decays), -1)
+    pending = (rows.requires_grad_(), gates.requires_grad_()) if held else (None, None)
     bias = rand(h)
     per_sample = bias.expand(b, h)  # the step's form: its gradient is summed once per call
     flags = torch.tensor([1.0] * (g - 2) + [0.0, 0.0] + [1.0] * own_read, dtype=DT)
     scale = flags.repeat_interleave(h)
     with LaunchCounter() as forward:
-        got = smt_step(w1, w2, x, query, r1, r2, per_sample, scale, False, False, 0.3, g)
+        got = smt_step(w1, w2, x, query, r1, r2, per_sample, scale, *pending, False, False, 0.3,
+                       g, flush)  # fmt: skip
     with LaunchCounter() as composed:
         raw = memory_apply(w1, w2, x, scale, False, 0, g)
         k, v, q, eta, alpha = smt_generation(raw, query, bias, 0.3)
         out = smt_write(w1, w2, k, v, q if own_read else None, eta, alpha, scale, False, False)
         read = out[4][:, -h:] if own_read else memory_apply(r1, r2, q, None, True, 0, 1)
-    want = (*out[:4], k, v, q, eta, alpha, read)
+        new_rows, new_gates = torch.stack((k, v, q), 3), torch.stack((eta, alpha), -1)
+        if held:
+            new_rows, new_gates = torch.cat((rows, new_rows), 2), torch.cat((gates, new_gates), 2)
+        written = [torch.empty(0, dtype=DT)] * 4
+        if flush:
+            keys, values = new_rows[..., 0, :], new_rows[..., 1, :]
+            steps, decays = new_gates[..., 0], new_gates[..., 1]
+            args = (keys, values, None, steps, decays, None, True, False)
+            written = list(smt_write(*mem, *args)[:4])
+    want = (*out[:4], new_rows, new_gates, read, *written)
     for x_, y_ in zip(got, want, strict=True):
         torch.testing.assert_close(x_, y_, rtol=0, atol=0)
-    inputs = [t for t in (w1, w2, x, query, r1, r2) if t is not None]
-    probes = [torch.randn(y.shape, generator=gen, dtype=DT) for y in want]
+    inputs = [t for t in (w1, w2, x, query, r1, r2, *pending) if t is not None]
+    inputs += list(mem) if flush else []
+    present = [j for j, y in enumerate(want) if y.numel()]  # M_mem's state unless flushed
+    probes = [torch.randn(want[j].shape, generator=gen, dtype=DT) for j in present]
     with LaunchCounter() as backward:
-        *got_grads, g_bias = torch.autograd.grad(got, [*inputs, per_sample], probes)
+        *got_grads, g_bias = torch.autograd.grad(
+            [got[j] for j in present], [*inputs, per_sample], probes
+        )
     with LaunchCounter() as composed_backward:
-        want_grads = torch.autograd.grad(want, [*inputs, bias], probes)
+        want_grads = torch.autograd.grad([want[j] for j in present], [*inputs, bias], probes)
     for x_, y_ in zip([*got_grads, g_bias.sum(0)], want_grads, strict=True):
         torch.testing.assert_close(x_, y_, rtol=1e-12, atol=1e-14)
     assert (forward.count, backward.count) == (1, 1)
@@ -603,7 +626,7 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 156
+    assert len(errors) == 160
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 

@@ -287,23 +287,25 @@ def write_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
-# The whole SMT chunk step (M_mem in the stack, adaptive q, dot loss, C, d_h, h_m, the
-# gradients left out): both reads, both queries, padded and unpadded sizes, several
-# h_m blocks, absent gradients of every kind.
+# The whole SMT chunk step (M_mem in the stack, adaptive q, dot loss, C, d_h, h_m, pending
+# tokens, M_mem written, the gradients left out): both reads, both queries, pending tokens
+# with and without M_mem's write, padded and unpadded sizes, several h_m blocks, absent
+# gradients of every kind.
 STEP_CASES = [
-    (True, False, False, 5, 8, 12, ()),
-    (True, True, False, 5, 8, 12, (4, 9)),
-    (False, False, False, 8, 16, 136, (2, 3, 4, 9)),
-    (False, True, False, 3, 8, 12, (0, 1, 5)),
-    (True, False, True, 16, 16, 40, ()),
+    (True, False, False, 5, 8, 12, 0, False, ()),
+    (True, True, False, 5, 8, 12, 0, False, (4, 6)),
+    (False, False, False, 8, 16, 136, 8, True, (2, 3, 6)),
+    (False, True, False, 3, 8, 12, 6, False, (0, 1, 5)),
+    (False, False, True, 4, 8, 12, 0, True, (9,)),
+    (True, False, True, 16, 16, 40, 0, False, ()),
 ]
 
 
 def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     """``hope::smt_step``'s kernels against its reference, every output and gradient."""
     errors = {}
-    for own, adaptive, dot, c, d, m, missing in STEP_CASES:
-        gen = torch.Generator().manual_seed(c * 7 + m)
+    for own, adaptive, dot, c, d, m, held, flush, missing in STEP_CASES:
+        gen = torch.Generator().manual_seed(c * 7 + m + held)
 
         def rand(*shape: int, scale: float = 1.0, gen: torch.Generator = gen) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
@@ -313,20 +315,37 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         w1[:, (g - 2) * h : g * h, 1:] = 0.0  # the scalar memories' padded rows
         mem = (None, None) if own else (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
         flags = torch.tensor([1.0] * (g - 2) + [0.0, 0.0] + [1.0] * own, dtype=torch.float64)
+        pending = (None, None)
+        if held:
+            rows = torch.nn.functional.normalize(rand(b, h, held, 3, d), dim=-1)
+            gates = torch.stack(
+                (
+                    0.05 + 0.5 * torch.rand(b, h, held, generator=gen),
+                    0.6 + 0.4 * torch.rand(b, h, held, generator=gen),
+                ),
+                dim=-1,
+            )
+            pending = (rows, gates.double())
         raw = (w1, w2, rand(b, h, c, d), None if adaptive else rand(b, h, c, d), *mem,
-               rand(h).expand(b, h), flags.repeat_interleave(h))  # fmt: skip
+               rand(h).expand(b, h), flags.repeat_interleave(h), *pending)  # fmt: skip
         x = tuple(None if t is None else t.to(device, dtype) for t in raw)
-        options = (False, dot, 0.7, g)
-        want = smt_step_reference(x, options)  # type: ignore[arg-type]
+        options = (False, dot, 0.7, g, flush)
+        want = smt_step_reference(x, options)
         read, loss = "own" if own else "apart", "dot" if dot else "l2"
-        name = f"step_{read}_{'adaptive_' if adaptive else ''}C{c}_{loss}_{str(dtype)[6:]}"
-        errors[f"{name}_forward"] = worst(smt_step_triton(x, options), want)
-        grads = tuple(None if j in missing else rand_like(w, gen) for j, w in enumerate(want))
-        got = smt_step_backward_triton(x, options, grads)
-        ref = smt_step_backward_reference(x, options, grads)  # type: ignore[arg-type]
-        if [t is None for t in got] != [t is None for t in ref]:
-            raise AssertionError(f"{name}: gradients present {got} vs {ref}")
-        pairs = [(a, r) for a, r in zip(got, ref, strict=True) if r is not None]
+        tail = f"{'adaptive_' if adaptive else ''}C{c}_P{held}{'_flush' if flush else ''}"
+        name = f"step_{read}_{tail}_{loss}_{str(dtype)[6:]}"
+        present = [j for j, t in enumerate(want) if t.numel()]
+        got = smt_step_triton(x, options)
+        errors[f"{name}_forward"] = worst(tuple(got[j] for j in present),
+                                          tuple(want[j] for j in present))  # fmt: skip
+        grads = tuple(None if j in missing or not w.numel() else rand_like(w, gen)
+                      for j, w in enumerate(want))  # fmt: skip
+        saved = (*x, want[4], want[5])
+        got_g = smt_step_backward_triton(saved, options, grads)
+        ref = smt_step_backward_reference(x, options, grads)
+        if [t is None for t in got_g] != [t is None for t in ref]:
+            raise AssertionError(f"{name}: gradients present {got_g} vs {ref}")
+        pairs = [(a, r) for a, r in zip(got_g, ref, strict=True) if r is not None]
         errors[f"{name}_backward"] = worst(*zip(*pairs, strict=True))
     return errors
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from hope.memory.ops.smt_step import smt_step
@@ -27,6 +28,7 @@ def write_pending(
     writes M_mem from them as one chunk (in place in ``carry``)."""
     carry.pending.append(gen)
     carry.pending_len += gen.length
+    carry.packed = None
     if carry.pending_len == smt.cfg.mem_chunk:
         pending, flush = carry.pending, loop.flush
         joined = pending[0] if len(pending) == 1 else join_generated(pending)
@@ -36,12 +38,25 @@ def write_pending(
         carry.pending, carry.pending_len = [], 0
 
 
+def _packed(carry: ChunkCarry, work: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """The pending tokens as ``hope::smt_step`` takes them (rows, gates), or None."""
+    if not carry.pending:
+        return None
+    if carry.packed is not None:
+        return carry.packed
+    gen = join_generated(carry.pending)
+    rows = torch.stack((gen.k, gen.v, gen.q), dim=3).to(work)
+    return rows, torch.stack((gen.eta, gen.alpha), dim=-1).to(work)
+
+
 def fused_chunk_step(
     smt: SelfModifyingTitans, carry: ChunkCarry, xq: ChunkInputs, loop: CallPlan, bias: Tensor
 ) -> tuple[ChunkCarry, Tensor]:
     """One complete C_o chunk (``SelfModifyingTitans._chunk_step``) through
     ``hope::smt_step``; ``carry`` is the step's own copy, updated in place. ``bias``:
-    b_alpha expanded to [B, H] once per call, so its gradient is summed once."""
+    b_alpha expanded to [B, H] once per call, so its gradient is summed once. With
+    C_m > C_o the step also carries M_mem's pending tokens and writes M_mem when they
+    complete its chunk."""
     xc, query = xq
     group, flush = loop.plan[0], loop.flush  # the generators first; M_mem last when C_o = C_m
     fast = carry.stacks[group.key]
@@ -49,13 +64,21 @@ def fused_chunk_step(
     residual = smt._residual(group)
     scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
     mem = None if group is flush else carry.stacks[flush.key]
+    pending = None if mem is None else _packed(carry, work)
+    writes_mem = mem is not None and carry.pending_len + xc.shape[2] == smt.cfg.mem_chunk
     out = smt_step(
         fast.w1, fast.w2, xc.to(work), None if query is None else query.to(work),
         None if mem is None else mem.w1, None if mem is None else mem.w2, bias.to(work), scale,
-        residual is True, smt.cfg.objective == "dot", smt.cfg.eta_scale, len(group.generators),
+        *(pending or (None, None)), residual is True, smt.cfg.objective == "dot",
+        smt.cfg.eta_scale, len(group.generators), writes_mem,
     )  # fmt: skip
     carry.stacks[group.key] = fast.with_weights(*out[:4])
-    if mem is not None:
-        write_pending(smt, carry, Generated(*out[4:9]), loop)
+    if mem is not None and writes_mem:
+        carry.stacks[flush.key] = mem.with_weights(*out[7:11])
+        carry.pending, carry.pending_len, carry.packed = [], 0, None
+    elif mem is not None:
+        rows, gates = out[4], out[5]
+        carry.pending = [Generated(*rows.unbind(3), *gates.unbind(-1))]
+        carry.pending_len, carry.packed = rows.shape[2], (rows, gates)
     carry.chunks_done += 1
-    return carry, out[9]
+    return carry, out[6]

@@ -206,11 +206,14 @@ class ChunkCarry:
     chunks_done: int  # C_o chunks written so far (truncation windows)
     partial: Generated | None  # a partial C_o chunk (read, written once complete)
     live_from: int = 0  # pass A: first token whose contributions the memories hold in graph
+    # ``pending`` as one fused step left it: rows [B, H, P, 3, d_h] (k, v, q) and gates
+    # [B, H, P, 2] (eta, alpha); None once anything else changed it (smt_fused.py)
+    packed: tuple[Tensor, Tensor] | None = None
 
     def copy(self) -> ChunkCarry:
         return ChunkCarry(
             dict(self.stacks), list(self.pending), self.pending_len, self.chunks_done,
-            self.partial, self.live_from,
+            self.partial, self.live_from, self.packed,
         )  # fmt: skip
 
     def detach_memories(self) -> ChunkCarry:
@@ -225,7 +228,7 @@ class ChunkCarry:
         out = self.detach_memories()
         out.pending = [detach_generated(g) for g in self.pending]
         out.partial = None if self.partial is None else detach_generated(self.partial)
-        out.live_from = start
+        out.live_from, out.packed = start, None
         return out
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hope.memory.ops.pointwise import EPS
+from hope.memory.ops.smt_step import _mem_gets_grad
 from hope.memory.ops.triton_generation import _unit, _unit_backward
 from hope.memory.ops.triton_kernels import flat_heads, load_tile, store_tile
 from hope.memory.ops.triton_pass import gelu, pad_size, rows_backward
@@ -63,78 +64,18 @@ def _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t
                 HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, CP: tl.constexpr,
                 OP: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
                 DOT: tl.constexpr):  # fmt: skip
-    """Eq. 83 for one head: the members' raw outputs (k, v, q or x W_q, eta's and
-    alpha's first column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1)."""
-    raw_k = _raw(
-        w1_ptr,
-        w2_ptr,
-        scale_ptr,
-        x,
-        b,
-        0,
-        h,
-        H,
-        GH,
-        i,
-        o,
-        I,
-        O,
-        M,
-        HAS_SCALE,
-        RESIDUAL,
-        CP,
-        OP,
-        BLOCK_M,
-        DOT,
-    )
-    raw_v = _raw(
-        w1_ptr,
-        w2_ptr,
-        scale_ptr,
-        x,
-        b,
-        1,
-        h,
-        H,
-        GH,
-        i,
-        o,
-        I,
-        O,
-        M,
-        HAS_SCALE,
-        RESIDUAL,
-        CP,
-        OP,
-        BLOCK_M,
-        DOT,
-    )
+    """Eq. 83 for one head: the members' raw outputs (k, v, q or x W_q, eta's first
+    column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1)."""
+    raw_k = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, 0, h, H, GH, i, o, I, O, M, HAS_SCALE,
+                 RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    raw_v = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
+                 RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
     if HAS_QUERY:
         raw_q = load_tile(query_ptr + head * C * I, t, i, C, I, I)
         first = 2
     else:
-        raw_q = _raw(
-            w1_ptr,
-            w2_ptr,
-            scale_ptr,
-            x,
-            b,
-            2,
-            h,
-            H,
-            GH,
-            i,
-            o,
-            I,
-            O,
-            M,
-            HAS_SCALE,
-            RESIDUAL,
-            CP,
-            OP,
-            BLOCK_M,
-            DOT,
-        )
+        raw_q = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, 2, h, H, GH, i, o, I, O, M, HAS_SCALE,
+                     RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
         first = 3
     column = o[None, :] == 0  # the scalar memories' output
     out = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, first, h, H, GH, i, o, I, O, M, HAS_SCALE,
@@ -152,13 +93,40 @@ def _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t
 
 
 @triton.jit
+def _rows_of(rows_ptr, t, i, n, I):
+    """k, v, q [T, IP] of n tokens stored as rows [n, 3, I] (zero past n)."""
+    k = load_tile(rows_ptr, t, i, n, I, 3 * I)
+    v = load_tile(rows_ptr + I, t, i, n, I, 3 * I)
+    return k, v, load_tile(rows_ptr + 2 * I, t, i, n, I, 3 * I)
+
+
+@triton.jit
+def _gates_of(gates_ptr, t, n, alpha_past):
+    """eta, alpha [T] of n tokens stored as gates [n, 2]; past n: 0 and ``alpha_past``."""
+    eta = tl.load(gates_ptr + t * 2, mask=t < n, other=0.0)
+    return eta, tl.load(gates_ptr + t * 2 + 1, mask=t < n, other=alpha_past)
+
+
+@triton.jit
+def _store_rows(rows_ptr, gates_ptr, k, v, q, eta, alpha, t, i, n, I):
+    store_tile(rows_ptr, k, t, i, n, I, 3 * I)
+    store_tile(rows_ptr + I, v, t, i, n, I, 3 * I)
+    store_tile(rows_ptr + 2 * I, q, t, i, n, I, 3 * I)
+    tl.store(gates_ptr + t * 2, eta, mask=t < n)
+    tl.store(gates_ptr + t * 2 + 1, alpha, mask=t < n)
+
+
+@triton.jit
 def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
-                  w1_out, w2_out, inc1_out, inc2_out, k_out, v_out, q_out, eta_out, alpha_out,
-                  read_out, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale,
-                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr, CP: tl.constexpr,
+                  prows_ptr, pgates_ptr, w1_out, w2_out, inc1_out, inc2_out, rows_out,
+                  gates_out, read_out, m1_out, m2_out, mi1_out, mi2_out,
+                  H, GH, C, P, I, O, M, BIAS_STRIDE, eta_scale,
+                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_PEND: tl.constexpr,
+                  FLUSH: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
+                  DOT_LOSS: tl.constexpr, CP: tl.constexpr, CMP: tl.constexpr,
                   IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  SQUARINGS: tl.constexpr, EPS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+                  SQUARINGS: tl.constexpr, MSQUARINGS: tl.constexpr, EPS: tl.constexpr,
+                  DOT: tl.constexpr):  # fmt: skip
     head = tl.program_id(0).to(tl.int64)  # b * H + h
     b, h = head // H, head % H
     t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
@@ -168,12 +136,15 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                       live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
-    rows = head * C * I
-    store_tile(k_out + rows, k, t, i, C, I, I)
-    store_tile(v_out + rows, v, t, i, C, I, I)
-    store_tile(q_out + rows, q, t, i, C, I, I)
-    tl.store(eta_out + head * C + t, eta, mask=live)
-    tl.store(alpha_out + head * C + t, alpha, mask=live)
+    # The pending tokens, then this chunk's: rows [P + C, 3, I], gates [P + C, 2].
+    ext_rows, ext_gates = rows_out + head * (P + C) * 3 * I, gates_out + head * (P + C) * 2
+    tm = tl.arange(0, CMP)
+    if HAS_PEND:
+        held = _rows_of(prows_ptr + head * P * 3 * I, tm, i, P, I)
+        held_gates = _gates_of(pgates_ptr + head * P * 2, tm, P, 1.0)
+        _store_rows(ext_rows, ext_gates, held[0], held[1], held[2], held_gates[0], held_gates[1],
+                    tm, i, P, I)  # fmt: skip
+    _store_rows(ext_rows + P * 3 * I, ext_gates + P * 2, k, v, q, eta, alpha, t, i, C, I)
     for g in range(0, GH // H - OWN_READ):
         sh = b * GH + g * H + h
         a, c = sh * O * M, sh * M * I
@@ -191,10 +162,20 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                          _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
                          O, M, True, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
                          SQUARINGS, DOT)  # fmt: skip
-    else:  # M_mem apart (residual)
+    else:  # M_mem apart (residual): read at its chunk-start state
         read = _apply(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
                       BLOCK_M, DOT) + q  # fmt: skip
         store_tile(read_out + head * C * O, read, t, o, C, O, O)
+    if FLUSH:  # M_mem's write from its C_m = P + C tokens, read back from the stores above
+        tl.debug_barrier()
+        mem = _rows_of(ext_rows, tm, i, P + C, I)
+        mem_gates = _gates_of(ext_gates, tm, P + C, 1.0)
+        a, c = head * O * M, head * M * I
+        write_member_fwd(r1_ptr + a, r2_ptr + c, m1_out + a, m2_out + c, mi1_out + a,
+                         mi2_out + c, read_out, mem[0], mem[1], mem[0], mem_gates[0],
+                         mem_gates[1], 1.0, tm,
+                         i, o, tm < P + C, 0, I, O, M, False, True, True, DOT_LOSS, CMP, OP,
+                         BLOCK_M, MSQUARINGS, DOT)  # fmt: skip
 
 
 @triton.jit
@@ -221,22 +202,20 @@ def _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_raw, b, g, h
 
 
 @triton.jit
-def _grad_rows(ptr, t, i, C, I, HAS: tl.constexpr, CP: tl.constexpr, IP: tl.constexpr):
-    return load_tile(ptr, t, i, C if HAS else 0, I, I)
-
-
-@triton.jit
 def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
-                  gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, gk_ptr, gv_ptr, gq_ptr, geta_ptr,
-                  galpha_ptr, gread_ptr, dw1_ptr, dw2_ptr, dx_ptr, dquery_ptr, dr1_ptr, dr2_ptr,
-                  dbias_ptr, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale,
-                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr, HAS_GW1: tl.constexpr,
-                  HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr, HAS_GI2: tl.constexpr,
-                  HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_GQ: tl.constexpr,
-                  HAS_GETA: tl.constexpr, HAS_GALPHA: tl.constexpr, HAS_GREAD: tl.constexpr,
-                  CP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  SQUARINGS: tl.constexpr, EPS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+                  rows_ptr, gates_ptr, gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, grows_ptr, ggates_ptr,
+                  gread_ptr, gm1_ptr, gm2_ptr, gmi1_ptr, gmi2_ptr, dw1_ptr, dw2_ptr, dx_ptr,
+                  dquery_ptr, dr1_ptr, dr2_ptr, dbias_ptr, drows_ptr, dgates_ptr,
+                  H, GH, C, P, I, O, M, BIAS_STRIDE, eta_scale,
+                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, FLUSH: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr,
+                  HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
+                  HAS_GI2: tl.constexpr, HAS_GROWS: tl.constexpr, HAS_GGATES: tl.constexpr,
+                  HAS_GREAD: tl.constexpr, HAS_GM1: tl.constexpr, HAS_GM2: tl.constexpr,
+                  HAS_GMI1: tl.constexpr, HAS_GMI2: tl.constexpr, CP: tl.constexpr,
+                  CMP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  SQUARINGS: tl.constexpr, MSQUARINGS: tl.constexpr, EPS: tl.constexpr,
+                  DOT: tl.constexpr):  # fmt: skip
     head = tl.program_id(0).to(tl.int64)  # b * H + h
     b, h = head // H, head % H
     t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
@@ -248,11 +227,28 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     raw_k, raw_v, raw_q, raw_eta = gen[0], gen[1], gen[2], gen[3]
     k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
-    d_k = _grad_rows(gk_ptr + rows, t, i, C, I, HAS_GK, CP, IP)
-    d_v = _grad_rows(gv_ptr + rows, t, i, C, I, HAS_GV, CP, IP)
-    d_q = _grad_rows(gq_ptr + rows, t, i, C, I, HAS_GQ, CP, IP)
-    d_eta = tl.load(geta_ptr + head * C + t, mask=t < (C if HAS_GETA else 0), other=0.0)
-    d_alpha = tl.load(galpha_ptr + head * C + t, mask=t < (C if HAS_GALPHA else 0), other=0.0)
+    # dL/d(the pending and this chunk's tokens): given, plus M_mem's write's backward.
+    n = P + C
+    tm = tl.arange(0, CMP)
+    d_km, d_vm, d_qm = _rows_of(grows_ptr + head * n * 3 * I, tm, i, n if HAS_GROWS else 0, I)
+    d_etam, d_alpham = _gates_of(ggates_ptr + head * n * 2, tm, n if HAS_GGATES else 0, 0.0)
+    if FLUSH:
+        mem = _rows_of(rows_ptr + head * n * 3 * I, tm, i, n, I)
+        mem_gates = _gates_of(gates_ptr + head * n * 2, tm, n, 1.0)
+        a, c = head * O * M, head * M * I
+        share = write_member_bwd(r1_ptr + a, r2_ptr + c, gm1_ptr + a, gm2_ptr + c, gmi1_ptr + a,
+                                 gmi2_ptr + c, gread_ptr, dr1_ptr + a, dr2_ptr + c, mem[0],
+                                 mem[1], mem[0], mem_gates[0], mem_gates[1], 1.0, tm, i, o,
+                                 tm < n, 0, I, O, M, False, True, DOT_LOSS, HAS_GM1, HAS_GM2,
+                                 HAS_GMI1, HAS_GMI2, False, CMP, IP, OP, BLOCK_M, MSQUARINGS,
+                                 DOT)  # fmt: skip
+        d_km, d_vm = d_km + share[0], d_vm + share[1]
+        d_etam, d_alpham = d_etam + share[3], d_alpham + share[4]
+    ext_rows, ext_gates = drows_ptr + head * n * 3 * I, dgates_ptr + head * n * 2
+    _store_rows(ext_rows, ext_gates, d_km, d_vm, d_qm, d_etam, d_alpham, tm, i, n, I)
+    tl.debug_barrier()  # this chunk's rows are read back at offset P
+    d_k, d_v, d_q = _rows_of(ext_rows + P * 3 * I, t, i, C, I)
+    d_eta, d_alpha = _gates_of(ext_gates + P * 2, t, C, 0.0)
     for g in range(0, GH // H - OWN_READ):
         sh = b * GH + g * H + h
         a, c = sh * O * M, sh * M * I
@@ -277,7 +273,7 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                                  SQUARINGS, DOT)  # fmt: skip
         d_k, d_v, d_q = d_k + share[0], d_v + share[1], d_q + share[2]
         d_eta, d_alpha = d_eta + share[3], d_alpha + share[4]
-    elif HAS_GREAD:  # M_mem apart (residual): the read's backward
+    elif HAS_GREAD:  # M_mem apart (residual): the read's backward, after its write's
         g_read = load_tile(gread_ptr + head * C * O, t, o, C, O, O)
         d_q += g_read
         for m0 in range(0, M, BLOCK_M):
@@ -286,6 +282,9 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
             w1 = load_tile(r1_ptr + head * O * M, o, m, O, M, M)
             d_w1, d_w2, share_q = rows_backward(q, g_read, w1, w2, DOT)
             d_q += share_q
+            if FLUSH:
+                d_w1 += load_tile(dr1_ptr + head * O * M, o, m, O, M, M)
+                d_w2 += load_tile(dr2_ptr + head * M * I, m, i, M, I, I)
             store_tile(dr1_ptr + head * O * M, d_w1, o, m, O, M, M)
             store_tile(dr2_ptr + head * M * I, d_w2, m, i, M, I, I)
     # The epilogue's backward (``triton_generation._generation_bwd``).
@@ -316,69 +315,90 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
 
 
 def _sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> dict[str, Any]:
-    w1, _, x, query, r1, _, bias, scale = inputs
+    w1, _, x, query, r1, _, bias, scale, pend_rows = inputs[:9]
     assert w1 is not None and x is not None and bias is not None
-    residual, dot, eta_scale, _ = options
+    residual, dot, eta_scale, _, flush = options
     heads, c, i = x.shape[1:]
     gh, o, m = w1.shape[1:]
     if o != i:
         raise ValueError(f"smt_step: the stacked memories need d_out = d_in, got {o} != {i}")
-    cp = pad_size(c)
+    held = 0 if pend_rows is None else pend_rows.shape[2]
+    cp, cmp = pad_size(c), pad_size(held + c)
     return {
-        "H": heads, "GH": gh, "C": c, "I": i, "O": o, "M": m, "BIAS_STRIDE": bias.stride(0),
-        "eta_scale": eta_scale, "HAS_QUERY": query is not None, "OWN_READ": r1 is None,
-        "HAS_SCALE": scale is not None, "RESIDUAL": residual, "DOT_LOSS": dot, "CP": cp,
-        "IP": pad_size(i), "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)),
-        "SQUARINGS": cp.bit_length() - 2, "EPS": EPS, "DOT": "ieee",
+        "H": heads, "GH": gh, "C": c, "P": held, "I": i, "O": o, "M": m,
+        "BIAS_STRIDE": bias.stride(0), "eta_scale": eta_scale, "HAS_QUERY": query is not None,
+        "OWN_READ": r1 is None, "FLUSH": flush, "HAS_SCALE": scale is not None,
+        "RESIDUAL": residual, "DOT_LOSS": dot, "CP": cp, "CMP": cmp, "IP": pad_size(i),
+        "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)), "SQUARINGS": cp.bit_length() - 2,
+        "MSQUARINGS": cmp.bit_length() - 2, "EPS": EPS, "DOT": "ieee",
     }  # fmt: skip
 
 
 def _flat(inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
     """The kernels' inputs contiguous (alpha_bias as given: its batch stride is read),
     absent ones replaced by x (never read)."""
-    w1, w2, x, query, r1, r2, bias, scale = inputs
+    w1, w2, x, query, r1, r2, bias, scale, *pending = inputs
     assert w1 is not None and w2 is not None and x is not None and bias is not None
     xf = flat_heads(x)
     rest = [xf if t is None else flat_heads(t) for t in (query, r1, r2)]
     scale_f = xf if scale is None else scale.to(w1.dtype).contiguous()
-    return [flat_heads(w1), flat_heads(w2), xf, *rest, bias, scale_f]
+    held = [xf if t is None else t.contiguous() for t in pending]
+    return [flat_heads(w1), flat_heads(w2), xf, *rest, bias, scale_f, *held]
 
 
 def smt_step_triton(
     inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]
 ) -> tuple[Tensor, ...]:
     """``hope::smt_step`` in one kernel launch."""
-    w1, w2, x = inputs[:3]
+    w1, w2, x, _, r1, r2, _, _, pend_rows, _ = inputs
     assert w1 is not None and w2 is not None and x is not None
-    b, heads, c, _ = x.shape
+    b, heads, c, i = x.shape
+    sizes = _sizes(inputs, options)
+    n = sizes["P"] + c
     weights = [w1.new_empty(t.shape) for t in (w1, w2, w1, w2)]
-    rows = [x.new_empty(x.shape) for _ in range(3)]
-    gates = [x.new_empty(b, heads, c) for _ in range(2)]
+    ext = [x.new_empty(b, heads, n, 3, i), x.new_empty(b, heads, n, 2)]
     read = x.new_empty(b, heads, c, w1.shape[-2])
-    _smt_step_fwd[(b * heads,)](*_flat(inputs), *weights, *rows, *gates, read,
-                                **_sizes(inputs, options))  # fmt: skip
-    return (*weights, *rows, *gates, read)
+    mem = [x.new_empty(0)] * 4
+    if options[4] and r1 is not None and r2 is not None:
+        mem = [r1.new_empty(r1.shape), r2.new_empty(r2.shape), r1.new_empty(r1.shape),
+               r2.new_empty(r2.shape)]  # fmt: skip
+    flat = _flat(inputs)
+    _smt_step_fwd[(b * heads,)](
+        *flat, *weights, *ext, read, *(flat[2] if not t.numel() else t for t in mem),
+        HAS_PEND=pend_rows is not None, **sizes,
+    )  # fmt: skip
+    return (*weights, *ext, read, *mem)
 
 
 def smt_step_backward_triton(
-    inputs: tuple[Tensor | None, ...], options: tuple[Any, ...], grads: tuple[Tensor | None, ...]
+    saved: tuple[Tensor | None, ...], options: tuple[Any, ...], grads: tuple[Tensor | None, ...]
 ) -> tuple[Tensor | None, ...]:
-    """``hope::smt_step_backward`` in one kernel launch."""
-    w1, w2, x, query, r1, r2, bias, _ = inputs
-    assert w1 is not None and w2 is not None and x is not None and bias is not None
-    flat = _flat(inputs)
-    g_flat = [flat[2] if g is None else flat_heads(g) for g in grads]
-    has_mem = r1 is not None and grads[-1] is not None
-    outs = (w1.new_empty(w1.shape), w1.new_empty(w2.shape), x.new_empty(x.shape),
-            None if query is None else x.new_empty(x.shape),
-            r1.new_empty(r1.shape) if has_mem and r1 is not None else None,
-            r2.new_empty(r2.shape) if has_mem and r2 is not None else None,
-            x.new_empty(x.shape[:2]))  # fmt: skip
-    flags = ("HAS_GW1", "HAS_GW2", "HAS_GI1", "HAS_GI2", "HAS_GK", "HAS_GV", "HAS_GQ",
-             "HAS_GETA", "HAS_GALPHA", "HAS_GREAD")  # fmt: skip
+    """``hope::smt_step_backward`` in one kernel launch; ``saved``: the inputs, then the
+    forward's rows and gates."""
+    w1, w2, x, query, r1, r2, _, _, pend_rows, _, rows, gates = saved
+    assert w1 is not None and w2 is not None and x is not None
+    assert rows is not None and gates is not None
+    sizes = _sizes(saved[:10], options)
+    flat = _flat(saved[:10])
+    g_flat = [flat[2] if g is None or not g.numel() else g.contiguous() for g in grads]
+    mem = (
+        [None, None]
+        if r1 is None or r2 is None
+        else [r1.new_empty(r1.shape), r2.new_empty(r2.shape)]
+    )
+    outs = [w1.new_empty(w1.shape), w1.new_empty(w2.shape), x.new_empty(x.shape),
+            None if query is None else x.new_empty(x.shape), *mem, x.new_empty(x.shape[:2]),
+            rows.new_empty(rows.shape), gates.new_empty(gates.shape)]  # fmt: skip
+    flags = ("HAS_GW1", "HAS_GW2", "HAS_GI1", "HAS_GI2", "HAS_GROWS", "HAS_GGATES", "HAS_GREAD",
+             "HAS_GM1", "HAS_GM2", "HAS_GMI1", "HAS_GMI2")  # fmt: skip
     _smt_step_bwd[(x.shape[0] * x.shape[1],)](
-        *flat, *g_flat, *(flat[2] if t is None else t for t in outs),
-        **{f: g is not None for f, g in zip(flags, grads, strict=True)},
-        **_sizes(inputs, options),
+        *flat[:8], rows.contiguous(), gates.contiguous(), *g_flat,
+        *(flat[2] if t is None else t for t in outs),
+        **{f: g is not None and g.numel() > 0 for f, g in zip(flags, grads, strict=True)},
+        **sizes,
     )  # fmt: skip
-    return outs
+    if not _mem_gets_grad(r1, options[4], list(grads)):
+        outs[4] = outs[5] = None
+    held = sizes["P"]
+    pending = [None, None] if pend_rows is None else [t[:, :, :held] for t in outs[7:]]
+    return (*outs[:7], *pending)
