@@ -31,7 +31,10 @@ Backends:
   shared input (``residual_mlp.stacked_apply``: ``memory_apply.py``), the SMT's
   generation epilogue (``smt_state.generate_stacked``: ``generation.py``), a group's
   whole write, pass, bounded step and DGD (``smt_state.fused_group_write``:
-  ``smt_write.py``) and the normalisation ``unit_rows`` (``pointwise.py``). The other
+  ``smt_write.py``), the SMT's whole chunk step with M_mem's pending tokens and write
+  (``memory/smt_fused.py``: ``smt_step.py``), the CMS dual form's chunk scan
+  (``cms_dual``: ``cms_factor_scan.py``) and the normalisation ``unit_rows``
+  (``pointwise.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.

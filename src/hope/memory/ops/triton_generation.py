@@ -1,5 +1,7 @@
 """Triton kernels of ``hope::smt_generation`` and its backward (``generation.py``): one
-program per (sample, head) holding the chunk's T rows of every member.
+program per (sample, head) holding the chunk's T rows of every member; and the whole
+generation of one head from the stacked memories (``head_generation``: their outputs on
+x~ by hidden-block walks, then this epilogue in registers) for ``triton_step.py``.
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` against the PyTorch forms
 (tests/test_fused_ops.py); scripts/gpu_check.sh runs the same parity on CUDA.
@@ -15,6 +17,7 @@ from torch import Tensor
 
 from hope.memory.ops.pointwise import EPS
 from hope.memory.ops.triton_kernels import load_tile, store_tile
+from hope.memory.ops.triton_pass import gelu
 
 
 @triton.jit
@@ -111,6 +114,72 @@ def _generation_bwd(raw_ptr, query_ptr, alpha_ptr, gk_ptr, gv_ptr, gq_ptr, geta_
     store_tile(_member(draw_ptr, b, G - 1, h, H, G, T, O), tl.where(first, d_alpha[:, None], 0.0),
                r, o, T, O, O)  # fmt: skip
     tl.store(dbias_ptr + head, tl.sum(d_alpha, 0))
+
+
+@triton.jit
+def apply_rows(w1_ptr, w2_ptr, z, i, o, I, O, M, CP: tl.constexpr, OP: tl.constexpr,
+           BLOCK_M: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """W1 gelu(W2 z) for rows z [CP, IP] (the skip is the caller's)."""
+    out = tl.zeros([CP, OP], dtype=z.dtype)
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        pre = tl.dot(z, tl.trans(load_tile(w2_ptr, m, i, M, I, I)), input_precision=DOT)
+        out += tl.dot(gelu(pre), tl.trans(load_tile(w1_ptr, o, m, O, M, M)), input_precision=DOT)
+    return out
+
+
+@triton.jit
+def skip_of(scale_ptr, gh, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr):
+    skip = 1.0 if RESIDUAL else 0.0
+    if HAS_SCALE:
+        skip = tl.load(scale_ptr + gh)
+    return skip
+
+
+@triton.jit
+def raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, g, h, H, GH, i, o, I, O, M, HAS_SCALE: tl.constexpr,
+         RESIDUAL: tl.constexpr, CP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
+         DOT: tl.constexpr):  # fmt: skip
+    """Generating member g's output M_g(x~) with its skip."""
+    sh = b * GH + g * H + h
+    out = apply_rows(
+        w1_ptr + sh * O * M, w2_ptr + sh * M * I, x, i, o, I, O, M, CP, OP, BLOCK_M, DOT
+    )
+    return out + skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL) * x
+
+
+@triton.jit
+def head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o, live,
+                H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY: tl.constexpr,
+                HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, CP: tl.constexpr,
+                OP: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
+                DOT: tl.constexpr):  # fmt: skip
+    """Eq. 83 for one head: the members' raw outputs (k, v, q or x W_q, eta's first
+    column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1)."""
+    raw_k = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 0, h, H, GH, i, o, I, O, M, HAS_SCALE,
+                 RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    raw_v = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
+                 RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    if HAS_QUERY:
+        raw_q = load_tile(query_ptr + head * C * I, t, i, C, I, I)
+        first = 2
+    else:
+        raw_q = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 2, h, H, GH, i, o, I, O, M, HAS_SCALE,
+                     RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+        first = 3
+    column = o[None, :] == 0  # the scalar memories' output
+    out = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, first, h, H, GH, i, o, I, O, M, HAS_SCALE,
+               RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    raw_eta = tl.sum(tl.where(column, out, 0.0), 1)
+    out = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, first + 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
+               RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
+    raw_alpha = tl.sum(tl.where(column, out, 0.0), 1)
+    softplus = tl.where(raw_eta > 20.0, raw_eta, tl.log(1.0 + tl.exp(tl.minimum(raw_eta, 20.0))))
+    eta = tl.where(live, eta_scale * softplus, 0.0)
+    alpha = 1.0 / (1.0 + tl.exp(-(raw_alpha + tl.load(bias_ptr + b * BIAS_STRIDE + h))))
+    alpha = tl.where(live, alpha, 1.0)
+    k, v, q = _unit(raw_k, EPS)[0], _unit(raw_v, EPS)[0], _unit(raw_q, EPS)[0]
+    return raw_k, raw_v, raw_q, raw_eta, k, v, q, eta, alpha
 
 
 def _sizes(raw: Tensor, heads: int) -> dict[str, Any]:

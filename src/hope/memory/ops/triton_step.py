@@ -22,74 +22,15 @@ from torch import Tensor
 
 from hope.memory.ops.pointwise import EPS
 from hope.memory.ops.smt_step import _mem_gets_grad
-from hope.memory.ops.triton_generation import _unit, _unit_backward
+from hope.memory.ops.triton_generation import (
+    _unit_backward,
+    apply_rows,
+    head_generation,
+    skip_of,
+)
 from hope.memory.ops.triton_kernels import flat_heads, load_tile, store_tile
-from hope.memory.ops.triton_pass import gelu, pad_size, rows_backward
+from hope.memory.ops.triton_pass import pad_size, rows_backward
 from hope.memory.ops.triton_write import write_member_bwd, write_member_fwd
-
-
-@triton.jit
-def _apply(w1_ptr, w2_ptr, z, i, o, I, O, M, CP: tl.constexpr, OP: tl.constexpr,
-           BLOCK_M: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
-    """W1 gelu(W2 z) for rows z [CP, IP] (the skip is the caller's)."""
-    out = tl.zeros([CP, OP], dtype=z.dtype)
-    for m0 in range(0, M, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        pre = tl.dot(z, tl.trans(load_tile(w2_ptr, m, i, M, I, I)), input_precision=DOT)
-        out += tl.dot(gelu(pre), tl.trans(load_tile(w1_ptr, o, m, O, M, M)), input_precision=DOT)
-    return out
-
-
-@triton.jit
-def _skip(scale_ptr, gh, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr):
-    skip = 1.0 if RESIDUAL else 0.0
-    if HAS_SCALE:
-        skip = tl.load(scale_ptr + gh)
-    return skip
-
-
-@triton.jit
-def _raw(w1_ptr, w2_ptr, scale_ptr, x, b, g, h, H, GH, i, o, I, O, M, HAS_SCALE: tl.constexpr,
-         RESIDUAL: tl.constexpr, CP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
-         DOT: tl.constexpr):  # fmt: skip
-    """Generating member g's output M_g(x~) with its skip."""
-    sh = b * GH + g * H + h
-    out = _apply(w1_ptr + sh * O * M, w2_ptr + sh * M * I, x, i, o, I, O, M, CP, OP, BLOCK_M, DOT)
-    return out + _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL) * x
-
-
-@triton.jit
-def _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o, live,
-                H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY: tl.constexpr,
-                HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, CP: tl.constexpr,
-                OP: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
-                DOT: tl.constexpr):  # fmt: skip
-    """Eq. 83 for one head: the members' raw outputs (k, v, q or x W_q, eta's first
-    column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1)."""
-    raw_k = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, 0, h, H, GH, i, o, I, O, M, HAS_SCALE,
-                 RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
-    raw_v = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
-                 RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
-    if HAS_QUERY:
-        raw_q = load_tile(query_ptr + head * C * I, t, i, C, I, I)
-        first = 2
-    else:
-        raw_q = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, 2, h, H, GH, i, o, I, O, M, HAS_SCALE,
-                     RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
-        first = 3
-    column = o[None, :] == 0  # the scalar memories' output
-    out = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, first, h, H, GH, i, o, I, O, M, HAS_SCALE,
-               RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
-    raw_eta = tl.sum(tl.where(column, out, 0.0), 1)
-    out = _raw(w1_ptr, w2_ptr, scale_ptr, x, b, first + 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
-               RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
-    raw_alpha = tl.sum(tl.where(column, out, 0.0), 1)
-    softplus = tl.where(raw_eta > 20.0, raw_eta, tl.log(1.0 + tl.exp(tl.minimum(raw_eta, 20.0))))
-    eta = tl.where(live, eta_scale * softplus, 0.0)
-    alpha = 1.0 / (1.0 + tl.exp(-(raw_alpha + tl.load(bias_ptr + b * BIAS_STRIDE + h))))
-    alpha = tl.where(live, alpha, 1.0)
-    k, v, q = _unit(raw_k, EPS)[0], _unit(raw_v, EPS)[0], _unit(raw_q, EPS)[0]
-    return raw_k, raw_v, raw_q, raw_eta, k, v, q, eta, alpha
 
 
 @triton.jit
@@ -132,7 +73,7 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
     live = t < C
     x = load_tile(x_ptr + head * C * I, t, i, C, I, I)
-    gen = _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
+    gen = head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
                       live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
@@ -150,7 +91,7 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         a, c = sh * O * M, sh * M * I
         write_member_fwd(w1_ptr + a, w2_ptr + c, w1_out + a, w2_out + c, inc1_out + a,
                          inc2_out + c, read_out, k, v, q, eta, alpha,
-                         _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
+                         skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
                          O, M, False, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
                          SQUARINGS, DOT)  # fmt: skip
     if OWN_READ:  # M_mem, the last member: read before write, in its write
@@ -159,11 +100,11 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         a, c = sh * O * M, sh * M * I
         write_member_fwd(w1_ptr + a, w2_ptr + c, w1_out + a, w2_out + c, inc1_out + a,
                          inc2_out + c, read_out + head * C * O, k, v, q, eta, alpha,
-                         _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
+                         skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
                          O, M, True, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
                          SQUARINGS, DOT)  # fmt: skip
     else:  # M_mem apart (residual): read at its chunk-start state
-        read = _apply(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
+        read = apply_rows(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
                       BLOCK_M, DOT) + q  # fmt: skip
         store_tile(read_out + head * C * O, read, t, o, C, O, O)
     if FLUSH:  # M_mem's write from its C_m = P + C tokens, read back from the stores above
@@ -189,7 +130,7 @@ def _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_raw, b, g, h
     w2_ptr += sh * M * I
     dw1_ptr += sh * O * M
     dw2_ptr += sh * M * I
-    d_x = _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL) * g_raw
+    d_x = skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL) * g_raw
     for m0 in range(0, M, BLOCK_M):
         m = m0 + tl.arange(0, BLOCK_M)
         w2 = load_tile(w2_ptr, m, i, M, I, I)
@@ -222,7 +163,7 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     live = t < C
     rows = head * C * I
     x = load_tile(x_ptr + rows, t, i, C, I, I)
-    gen = _generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
+    gen = head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
                       live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     raw_k, raw_v, raw_q, raw_eta = gen[0], gen[1], gen[2], gen[3]
@@ -254,7 +195,7 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         a, c = sh * O * M, sh * M * I
         share = write_member_bwd(w1_ptr + a, w2_ptr + c, gw1_ptr + a, gw2_ptr + c, gi1_ptr + a,
                                  gi2_ptr + c, gread_ptr, dw1_ptr + a, dw2_ptr + c, k, v, q, eta,
-                                 alpha, _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i,
+                                 alpha, skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i,
                                  o, live, C, I, O, M, False, HAS_SCALE or RESIDUAL, DOT_LOSS,
                                  HAS_GW1, HAS_GW2, HAS_GI1, HAS_GI2, False, CP, IP, OP,
                                  BLOCK_M, SQUARINGS, DOT)  # fmt: skip
@@ -267,7 +208,7 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         share = write_member_bwd(w1_ptr + a, w2_ptr + c, gw1_ptr + a, gw2_ptr + c, gi1_ptr + a,
                                  gi2_ptr + c, gread_ptr + head * C * O, dw1_ptr + a,
                                  dw2_ptr + c, k, v, q, eta, alpha,
-                                 _skip(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live,
+                                 skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live,
                                  C, I, O, M, True, HAS_SCALE or RESIDUAL, DOT_LOSS, HAS_GW1,
                                  HAS_GW2, HAS_GI1, HAS_GI2, HAS_GREAD, CP, IP, OP, BLOCK_M,
                                  SQUARINGS, DOT)  # fmt: skip
