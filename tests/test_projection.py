@@ -11,6 +11,7 @@ import pytest
 from hope.bench import projection as p
 from hope.bench import run as bench_run
 from hope.config import load_config
+from hope.memory.ops import dispatch
 from hope.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,3 +141,28 @@ def test_pilot_hope_projection_adds_the_frozen_read_mode(monkeypatch: pytest.Mon
     eager = frozen["micro_batch"]["devices"]["H200"]["eager_ms"]
     assert eager < row["micro_batch"]["devices"]["H200"]["eager_ms"]
     assert "frozen_reads" not in p.project_variant("mid", "transformer")
+
+
+@pytest.mark.parametrize(("bench_backend", "counted"), [("fused", "fused"), ("compile", "torch")])
+def test_bench_projects_with_its_memory_backend(
+    monkeypatch: pytest.MonkeyPatch, bench_backend: str, counted: str
+) -> None:
+    """``bench.memory_backend=fused`` projects the launches the fused operators make (the
+    dispatch count sees what a GPU runs); backends whose steps it cannot count are
+    projected as torch. The process's default backend is left as it was. (Counts
+    stubbed: the real fits take minutes.)"""
+    seen: list[str] = []
+
+    def fake_fit(cfg: ModelConfig, seq_len: int) -> p.LaunchFit:
+        seen.append(dispatch.resolve_backend(None))
+        return p.LaunchFit(0.0, 0.0, 0.0, 1.0, (256, 512))
+
+    monkeypatch.setattr(p, "fit_launches", fake_fit)
+    cfg = load_config(
+        ROOT / "params.yaml",
+        [f"bench.memory_backend={bench_backend}", "bench.variants=[transformer]",
+         "bench.project_presets=[mid]"],
+    )  # fmt: skip
+    report = bench_run._project(cfg, ["transformer"], {})
+    assert seen == [counted] and report["memory_backend"] == counted
+    assert dispatch.resolve_backend(None) == "torch"

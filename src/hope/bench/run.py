@@ -44,6 +44,7 @@ from hope.bench.shapes import bench_shape
 from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
 from hope.io import write_metrics
+from hope.memory.ops.dispatch import resolve_backend, set_default_backend
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.report.environment import collect_environment
@@ -261,17 +262,25 @@ def _project(
     """``bench.project_presets`` x ``bench.variants``: projected GPU steps (launch
     counts on this CPU, see :mod:`hope.bench.projection`); failures go to skipped."""
     presets: dict[str, dict[str, Any]] = {}
-    for preset in cfg.bench.project_presets:
-        rows: dict[str, Any] = {}
-        for variant in (v for v in cfg.bench.variants if v in registered):
-            try:
-                rows[variant] = projection.project_variant(preset, variant)
-            except Exception as err:  # noqa: BLE001 - keep the other projections
-                skipped.setdefault(f"projection/{preset}", {})[variant] = (
-                    f"{type(err).__name__}: {err}"
-                )
-        presets[preset] = rows
-    return {"constants": projection.constants(), "presets": presets}
+    # The launches of the bench's memory backend where the dispatch count sees what a
+    # GPU runs (torch, fused); compiled and FLA steps are projected as torch.
+    backend = cfg.bench.memory_backend if cfg.bench.memory_backend == "fused" else "torch"
+    before = resolve_backend(None)
+    set_default_backend(backend)
+    try:
+        for preset in cfg.bench.project_presets:
+            rows: dict[str, Any] = {}
+            for variant in (v for v in cfg.bench.variants if v in registered):
+                try:
+                    rows[variant] = projection.project_variant(preset, variant)
+                except Exception as err:  # noqa: BLE001 - keep the other projections
+                    skipped.setdefault(f"projection/{preset}", {})[variant] = (
+                        f"{type(err).__name__}: {err}"
+                    )
+            presets[preset] = rows
+    finally:
+        set_default_backend(before)
+    return {"constants": projection.constants(), "memory_backend": backend, "presets": presets}
 
 
 def _measure_into(
