@@ -381,9 +381,10 @@ def test_fused_smt_step_equals_the_operators_it_joins(
 ) -> None:
     """``hope::smt_step`` equals ``memory_apply`` (generation) -> ``smt_generation`` ->
     ``smt_write`` (+ M_mem's read, in the write or apart; + the pending tokens joined and,
-    once they make C_m = 15 tokens, M_mem's ``smt_write``) composed: every output and every
-    input's gradient, bit for bit (the PyTorch form is that composition). One launch each
-    way; the composition is 3-9 forward and 10+ backward."""
+    once they make C_m = 15 tokens, M_mem's ``smt_write``; M_mem's state and b_alpha
+    carried to the next step) composed: every output and every input's gradient, bit for
+    bit (the PyTorch form is that composition). One launch each way; the composition is
+    3-9 forward and 10+ backward."""
     gen = torch.Generator().manual_seed(2 * own_read + adaptive + held)
     b, h, c, d, m = 2, 3, 5, 8, 12
     g, flush = 5 if adaptive else 4, held + c == 15
@@ -416,16 +417,17 @@ def test_fused_smt_step_equals_the_operators_it_joins(
         if held:
             new_rows, new_gates = torch.cat((rows, new_rows), 2), torch.cat((gates, new_gates), 2)
         written = [torch.empty(0, dtype=DT)] * 4
+        if not own_read:  # M_mem carried unchanged, or written
+            written[:2] = mem
         if flush:
             keys, values = new_rows[..., 0, :], new_rows[..., 1, :]
             steps, decays = new_gates[..., 0], new_gates[..., 1]
             args = (keys, values, None, steps, decays, None, True, False)
             written = list(smt_write(*mem, *args)[:4])
-    want = (*out[:4], new_rows, new_gates, read, *written)
+    want = (*out[:4], new_rows, new_gates, read, *written, per_sample)
     for x_, y_ in zip(got, want, strict=True):
         torch.testing.assert_close(x_, y_, rtol=0, atol=0)
     inputs = [t for t in (w1, w2, x, query, r1, r2, *pending) if t is not None]
-    inputs += list(mem) if flush else []
     present = [j for j, y in enumerate(want) if y.numel()]  # M_mem's state unless flushed
     probes = [torch.randn(want[j].shape, generator=gen, dtype=DT) for j in present]
     with LaunchCounter() as backward:

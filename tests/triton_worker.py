@@ -295,7 +295,7 @@ STEP_CASES = [
     (True, False, False, 5, 8, 12, 0, False, ()),
     (True, True, False, 5, 8, 12, 0, False, (4, 6)),
     (False, False, False, 8, 16, 136, 8, True, (2, 3, 6)),
-    (False, True, False, 3, 8, 12, 6, False, (0, 1, 5)),
+    (False, True, False, 3, 8, 12, 6, False, (0, 1, 5, 7, 11)),
     (False, False, True, 4, 8, 12, 0, True, (9,)),
     (True, False, True, 16, 16, 40, 0, False, ()),
 ]

@@ -66,17 +66,20 @@ def fused_chunk_step(
     mem = None if group is flush else carry.stacks[flush.key]
     pending = None if mem is None else _packed(carry, work)
     writes_mem = mem is not None and carry.pending_len + xc.shape[2] == smt.cfg.mem_chunk
+    bias = bias.to(work) if carry.bias is None else carry.bias
     out = smt_step(
         fast.w1, fast.w2, xc.to(work), None if query is None else query.to(work),
-        None if mem is None else mem.w1, None if mem is None else mem.w2, bias.to(work), scale,
+        None if mem is None else mem.w1, None if mem is None else mem.w2, bias, scale,
         *(pending or (None, None)), residual is True, smt.cfg.objective == "dot",
         smt.cfg.eta_scale, len(group.generators), writes_mem,
     )  # fmt: skip
     carry.stacks[group.key] = fast.with_weights(*out[:4])
+    carry.bias = out[11]  # b_alpha carried: the next step's input, not a second use of this one
     if mem is not None and writes_mem:
         carry.stacks[flush.key] = mem.with_weights(*out[7:11])
         carry.pending, carry.pending_len, carry.packed = [], 0, None
     elif mem is not None:
+        carry.stacks[flush.key] = mem.with_weights(out[7], out[8], mem.m1, mem.m2)  # carried
         rows, gates = out[4], out[5]
         carry.pending = [Generated(*rows.unbind(3), *gates.unbind(-1))]
         carry.pending_len, carry.packed = rows.shape[2], (rows, gates)

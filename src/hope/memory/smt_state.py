@@ -209,11 +209,12 @@ class ChunkCarry:
     # ``pending`` as one fused step left it: rows [B, H, P, 3, d_h] (k, v, q) and gates
     # [B, H, P, 2] (eta, alpha); None once anything else changed it (smt_fused.py)
     packed: tuple[Tensor, Tensor] | None = None
+    bias: Tensor | None = None  # b_alpha [B, H] as the last fused step carried it
 
     def copy(self) -> ChunkCarry:
         return ChunkCarry(
             dict(self.stacks), list(self.pending), self.pending_len, self.chunks_done,
-            self.partial, self.live_from, self.packed,
+            self.partial, self.live_from, self.packed, self.bias,
         )  # fmt: skip
 
     def detach_memories(self) -> ChunkCarry:

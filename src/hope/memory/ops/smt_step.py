@@ -42,10 +42,12 @@ from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_re
 StepInputs = tuple[Tensor | None, ...]
 # W1', W2', inc1, inc2 (the stack); rows [B, H, P + C, 3, I] and gates [B, H, P + C, 2] of
 # the pending and this chunk's tokens; the read [B, H, C, O]; M_mem's W1', W2', inc1, inc2
-# when it is written (``flush``), else empty.
+# when it is written (``flush``), else its W1, W2 carried (inc1, inc2 empty; all empty
+# when M_mem is in the stack); alpha_bias carried. The carried copies make each state
+# the input of one step only, so autograd never sums a gradient between steps.
 StepOutputs = tuple[Tensor, ...]
 StepResult = tuple[
-    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 ]  # StepOutputs, as the operator's schema states it
 StepOptions = tuple[bool, bool, float, int, bool]  # residual, dot, eta_scale, generators, flush
 
@@ -83,9 +85,9 @@ def _mem_inputs(inputs: StepInputs, rows: Tensor, gates: Tensor) -> tuple[Tensor
 
 def smt_step_reference(inputs: StepInputs, options: StepOptions) -> StepOutputs:
     """The forward in PyTorch ops (module docstring)."""
-    x, r1, r2 = inputs[2], inputs[4], inputs[5]
+    x, r1, r2, bias = inputs[2], inputs[4], inputs[5], inputs[6]
     residual, dot, flush = options[0], options[1], options[4]
-    assert x is not None
+    assert x is not None and bias is not None
     _, gen = _generation(inputs, options)
     out = smt_write_reference(_write_inputs(inputs, gen), residual, dot)  # type: ignore[arg-type]
     if r1 is None:
@@ -97,7 +99,9 @@ def smt_step_reference(inputs: StepInputs, options: StepOptions) -> StepOutputs:
     mem: tuple[Tensor, ...] = tuple(x.new_empty(0) for _ in range(4))
     if flush:
         mem = smt_write_reference(_mem_inputs(inputs, rows, gates), True, dot)[:4]  # type: ignore[arg-type]
-    return (*out[:4], rows, gates, read, *mem)
+    elif r1 is not None and r2 is not None:
+        mem = (r1.clone(), r2.clone(), *mem[2:])
+    return (*out[:4], rows, gates, read, *mem, bias.clone())
 
 
 def smt_step_backward_reference(
@@ -109,7 +113,7 @@ def smt_step_backward_reference(
     w1, w2, x, query, r1, r2, _, scale, pend_rows, _ = inputs
     residual, dot, eta_scale, generators, flush = options
     assert w1 is not None and w2 is not None and x is not None
-    g_w1, g_w2, g_inc1, g_inc2, g_rows, g_gates, g_read, *g_mem = grads
+    g_w1, g_w2, g_inc1, g_inc2, g_rows, g_gates, g_read, *g_mem, g_bias_out = grads
     raw, gen = _generation(inputs, options)
     rows, gates = _extended(inputs, gen)
     d_rows = torch.zeros_like(rows) if g_rows is None else g_rows.clone()
@@ -124,6 +128,8 @@ def smt_step_backward_reference(
         d_rows[..., 1, :] += d_v
         d_gates[..., 0] += d_eta
         d_gates[..., 1] += d_alpha
+    elif not flush:  # M_mem carried unchanged
+        d_r1, d_r2 = g_mem[0], g_mem[1]
     held = 0 if pend_rows is None else pend_rows.shape[2]
     now_rows, now_gates = d_rows[:, :, held:], d_gates[:, :, held:]
     g_gen = [*now_rows.unbind(3), *now_gates.unbind(-1)]
@@ -145,6 +151,11 @@ def smt_step_backward_reference(
     a = memory_apply_backward_reference(w1, w2, x, scale, residual, 0, generators, g_raw)
     assert d_w1 is not None and d_w2 is not None
     pending = (None, None) if pend_rows is None else (d_rows[:, :, :held], d_gates[:, :, :held])
+    if _mem_gets_grad(r1, flush, list(grads)):
+        assert r1 is not None and r2 is not None
+        d_r1 = torch.zeros_like(r1) if d_r1 is None else d_r1
+        d_r2 = torch.zeros_like(r2) if d_r2 is None else d_r2
+    g_bias = g_bias if g_bias_out is None else g_bias + g_bias_out
     return (d_w1 + a[0], d_w2 + a[1], a[2], g_query, d_r1, d_r2, g_bias, *pending)
 
 
@@ -165,10 +176,9 @@ def _sizes_check(inputs: StepInputs, options: StepOptions) -> None:
 
 
 def _mem_gets_grad(r1: Tensor | None, flush: bool, grads: list[Tensor | None]) -> bool:
-    """Whether M_mem's state (apart) gets a gradient: from its read or its write."""
-    return r1 is not None and (
-        grads[6] is not None or (flush and any(g is not None for g in grads[7:]))
-    )
+    """Whether M_mem's state (apart) gets a gradient: from its read, its write or its
+    carried copy."""
+    return r1 is not None and any(g is not None for g in grads[6:11])
 
 
 @torch.library.custom_op("hope::smt_step", mutates_args=())
@@ -229,6 +239,8 @@ def _(
     tokens = c + (0 if pend_rows is None else pend_rows.shape[2])
     weights = [torch.empty_like(w1), torch.empty_like(w2)]
     mem = [x.new_empty(0)] * 4
+    if r1 is not None and r2 is not None:
+        mem[:2] = [torch.empty_like(r1), torch.empty_like(r2)]
     if flush and r1 is not None and r2 is not None:
         mem = [
             torch.empty_like(r1),
@@ -237,7 +249,8 @@ def _(
             torch.empty_like(r2),
         ]
     return (*weights, *weights, x.new_empty(b, h, tokens, 3, i), x.new_empty(b, h, tokens, 2),
-            x.new_empty(b, h, c, w1.shape[-2]), *mem)  # type: ignore[return-value]  # fmt: skip
+            x.new_empty(b, h, c, w1.shape[-2]), *mem,
+            torch.empty_like(alpha_bias))  # type: ignore[return-value]  # fmt: skip
 
 
 @torch.library.custom_op("hope::smt_step_backward", mutates_args=())

@@ -60,7 +60,7 @@ def _store_rows(rows_ptr, gates_ptr, k, v, q, eta, alpha, t, i, n, I):
 @triton.jit
 def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
                   prows_ptr, pgates_ptr, w1_out, w2_out, inc1_out, inc2_out, rows_out,
-                  gates_out, read_out, m1_out, m2_out, mi1_out, mi2_out,
+                  gates_out, read_out, m1_out, m2_out, mi1_out, mi2_out, bias_out,
                   H, GH, C, P, I, O, M, BIAS_STRIDE, eta_scale,
                   HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_PEND: tl.constexpr,
                   FLUSH: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -77,6 +77,7 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                       live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
+    tl.store(bias_out + head, tl.load(bias_ptr + b * BIAS_STRIDE + h))  # carried
     # The pending tokens, then this chunk's: rows [P + C, 3, I], gates [P + C, 2].
     ext_rows, ext_gates = rows_out + head * (P + C) * 3 * I, gates_out + head * (P + C) * 2
     tm = tl.arange(0, CMP)
@@ -107,6 +108,12 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         read = apply_rows(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
                       BLOCK_M, DOT) + q  # fmt: skip
         store_tile(read_out + head * C * O, read, t, o, C, O, O)
+        if not FLUSH:  # M_mem carried unchanged
+            for m0 in range(0, M, BLOCK_M):
+                m = m0 + tl.arange(0, BLOCK_M)
+                a, c = head * O * M, head * M * I
+                store_tile(m1_out + a, load_tile(r1_ptr + a, o, m, O, M, M), o, m, O, M, M)
+                store_tile(m2_out + c, load_tile(r2_ptr + c, m, i, M, I, I), m, i, M, I, I)
     if FLUSH:  # M_mem's write from its C_m = P + C tokens, read back from the stores above
         tl.debug_barrier()
         mem = _rows_of(ext_rows, tm, i, P + C, I)
@@ -145,7 +152,8 @@ def _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_raw, b, g, h
 @triton.jit
 def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
                   rows_ptr, gates_ptr, gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, grows_ptr, ggates_ptr,
-                  gread_ptr, gm1_ptr, gm2_ptr, gmi1_ptr, gmi2_ptr, dw1_ptr, dw2_ptr, dx_ptr,
+                  gread_ptr, gm1_ptr, gm2_ptr, gmi1_ptr, gmi2_ptr, gbias_ptr, dw1_ptr, dw2_ptr,
+                  dx_ptr,
                   dquery_ptr, dr1_ptr, dr2_ptr, dbias_ptr, drows_ptr, dgates_ptr,
                   H, GH, C, P, I, O, M, BIAS_STRIDE, eta_scale,
                   HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, FLUSH: tl.constexpr,
@@ -153,7 +161,8 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
                   HAS_GI2: tl.constexpr, HAS_GROWS: tl.constexpr, HAS_GGATES: tl.constexpr,
                   HAS_GREAD: tl.constexpr, HAS_GM1: tl.constexpr, HAS_GM2: tl.constexpr,
-                  HAS_GMI1: tl.constexpr, HAS_GMI2: tl.constexpr, CP: tl.constexpr,
+                  HAS_GMI1: tl.constexpr, HAS_GMI2: tl.constexpr, HAS_GBIAS: tl.constexpr,
+                  CP: tl.constexpr,
                   CMP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
                   SQUARINGS: tl.constexpr, MSQUARINGS: tl.constexpr, EPS: tl.constexpr,
                   DOT: tl.constexpr):  # fmt: skip
@@ -214,20 +223,24 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                                  SQUARINGS, DOT)  # fmt: skip
         d_k, d_v, d_q = d_k + share[0], d_v + share[1], d_q + share[2]
         d_eta, d_alpha = d_eta + share[3], d_alpha + share[4]
-    elif HAS_GREAD:  # M_mem apart (residual): the read's backward, after its write's
-        g_read = load_tile(gread_ptr + head * C * O, t, o, C, O, O)
+    else:  # M_mem apart (residual): the read's backward, plus its write's or its copy's
+        g_read = load_tile(gread_ptr + head * C * O, t, o, C if HAS_GREAD else 0, O, O)
         d_q += g_read
+        a, c = head * O * M, head * M * I
         for m0 in range(0, M, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
-            w2 = load_tile(r2_ptr + head * M * I, m, i, M, I, I)
-            w1 = load_tile(r1_ptr + head * O * M, o, m, O, M, M)
+            w2 = load_tile(r2_ptr + c, m, i, M, I, I)
+            w1 = load_tile(r1_ptr + a, o, m, O, M, M)
             d_w1, d_w2, share_q = rows_backward(q, g_read, w1, w2, DOT)
             d_q += share_q
-            if FLUSH:
-                d_w1 += load_tile(dr1_ptr + head * O * M, o, m, O, M, M)
-                d_w2 += load_tile(dr2_ptr + head * M * I, m, i, M, I, I)
-            store_tile(dr1_ptr + head * O * M, d_w1, o, m, O, M, M)
-            store_tile(dr2_ptr + head * M * I, d_w2, m, i, M, I, I)
+            if FLUSH:  # stored by the write's backward above, before the barrier
+                d_w1 += load_tile(dr1_ptr + a, o, m, O, M, M)
+                d_w2 += load_tile(dr2_ptr + c, m, i, M, I, I)
+            else:
+                d_w1 += load_tile(gm1_ptr + a, o, m, O if HAS_GM1 else 0, M, M)
+                d_w2 += load_tile(gm2_ptr + c, m, i, M if HAS_GM2 else 0, I, I)
+            store_tile(dr1_ptr + a, d_w1, o, m, O, M, M)
+            store_tile(dr2_ptr + c, d_w2, m, i, M, I, I)
     # The epilogue's backward (``triton_generation._generation_bwd``).
     g_k, g_v = _unit_backward(raw_k, d_k, EPS), _unit_backward(raw_v, d_v, EPS)
     g_q = _unit_backward(raw_q, d_q, EPS)
@@ -235,7 +248,10 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     g_eta = tl.where(column, (d_eta * eta_scale / (1.0 + tl.exp(-raw_eta)))[:, None], 0.0)
     g_pre = tl.where(live, d_alpha * alpha * (1.0 - alpha), 0.0)
     g_alpha = tl.where(column, g_pre[:, None], 0.0)
-    tl.store(dbias_ptr + head, tl.sum(g_pre, 0))
+    d_bias = tl.sum(g_pre, 0)
+    if HAS_GBIAS:  # the carried copy's
+        d_bias += tl.load(gbias_ptr + head)
+    tl.store(dbias_ptr + head, d_bias)
     tl.debug_barrier()  # the writes' dW1, dW2 are read back below
     d_x = _raw_backward(w1_ptr, w2_ptr, scale_ptr, dw1_ptr, dw2_ptr, x, g_k, b, 0, h, H, GH, i, o,
                         I, O, M, HAS_SCALE, RESIDUAL, BLOCK_M, DOT)  # fmt: skip
@@ -300,15 +316,17 @@ def smt_step_triton(
     ext = [x.new_empty(b, heads, n, 3, i), x.new_empty(b, heads, n, 2)]
     read = x.new_empty(b, heads, c, w1.shape[-2])
     mem = [x.new_empty(0)] * 4
+    if r1 is not None and r2 is not None:  # written (flush) or carried
+        mem[:2] = [r1.new_empty(r1.shape), r2.new_empty(r2.shape)]
     if options[4] and r1 is not None and r2 is not None:
-        mem = [r1.new_empty(r1.shape), r2.new_empty(r2.shape), r1.new_empty(r1.shape),
-               r2.new_empty(r2.shape)]  # fmt: skip
+        mem[2:] = [r1.new_empty(r1.shape), r2.new_empty(r2.shape)]
+    bias = x.new_empty(b, heads)
     flat = _flat(inputs)
     _smt_step_fwd[(b * heads,)](
-        *flat, *weights, *ext, read, *(flat[2] if not t.numel() else t for t in mem),
+        *flat, *weights, *ext, read, *(flat[2] if not t.numel() else t for t in mem), bias,
         HAS_PEND=pend_rows is not None, **sizes,
     )  # fmt: skip
-    return (*weights, *ext, read, *mem)
+    return (*weights, *ext, read, *mem, bias)
 
 
 def smt_step_backward_triton(
@@ -331,7 +349,7 @@ def smt_step_backward_triton(
             None if query is None else x.new_empty(x.shape), *mem, x.new_empty(x.shape[:2]),
             rows.new_empty(rows.shape), gates.new_empty(gates.shape)]  # fmt: skip
     flags = ("HAS_GW1", "HAS_GW2", "HAS_GI1", "HAS_GI2", "HAS_GROWS", "HAS_GGATES", "HAS_GREAD",
-             "HAS_GM1", "HAS_GM2", "HAS_GMI1", "HAS_GMI2")  # fmt: skip
+             "HAS_GM1", "HAS_GM2", "HAS_GMI1", "HAS_GMI2", "HAS_GBIAS")  # fmt: skip
     _smt_step_bwd[(x.shape[0] * x.shape[1],)](
         *flat[:8], rows.contiguous(), gates.contiguous(), *g_flat,
         *(flat[2] if t is None else t for t in outs),
