@@ -7,6 +7,8 @@ two or more pieces. float64 throughout.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ import hope
 from conftest import F64
 from hope.memory.conv import CausalDepthwiseConv
 from hope.memory.fast_state import detach_state, tensor_leaves
+from hope.memory.ops import dispatch
 from hope.memory.pieces import PieceGrid
 from hope.model.hope import AttentionMixer, HopeLM
 from hope.model.teach import IGNORE_INDEX, head_signal, teach_signal, token_ce, token_entropy
@@ -49,6 +52,15 @@ def coarse_model(*extra: str, seed: int = 0) -> HopeLM:
     return model.to(F64)
 
 
+@pytest.fixture(params=["torch", "fused"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both memory backends: under ``fused`` the SMT's complete chunks run as one
+    ``hope::smt_step`` each, cut between pieces from outside the operator."""
+    dispatch.set_default_backend(request.param)
+    yield request.param
+    dispatch.set_default_backend("torch")
+
+
 def data(batch: int = 2, length: int = T) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return (
@@ -77,6 +89,7 @@ def test_conv_cut_keeps_values_and_drops_cross_piece_gradients() -> None:
 
 
 @pytest.mark.parametrize(("size", "offset"), ((1, 0), (2, 0), (2, 1), (3, 2), (8, 0)))
+@pytest.mark.usefixtures("backend")
 def test_smt_pass_a_call_has_the_values_of_a_plain_call(size: int, offset: int) -> None:
     model = coarse_model()
     block = model.hope_blocks()[1]
@@ -125,6 +138,7 @@ FROZEN = ("model.smt_chunk=8", "model.smt_mem_chunk=8", f"model.smt_read_chunk={
 
 
 @pytest.mark.parametrize("knobs", [(), FROZEN], ids=["chunked", "frozen"])
+@pytest.mark.usefixtures("backend")
 def test_pass_a_delta_is_the_per_piece_gradient_with_coarse_smt_chunks(
     knobs: tuple[str, ...],
 ) -> None:
@@ -143,6 +157,7 @@ def test_pass_a_delta_is_the_per_piece_gradient_with_coarse_smt_chunks(
 
 
 @pytest.mark.parametrize("knobs", [(), FROZEN], ids=["chunked", "frozen"])
+@pytest.mark.usefixtures("backend")
 def test_pass_a_delta_of_a_piece_ignores_every_other_piece(knobs: tuple[str, ...]) -> None:
     """With a pending offset (the grid shifted against the SMT chunks): δ of piece
     [3, 5) does not move when targets outside it or tokens after it change."""

@@ -300,7 +300,7 @@ class SelfModifyingTitans(nn.Module):
         steps = (smt._generate, smt._write, frozen_segment)
         loop = CallPlan.build(plan, backend, seq, pieces, steps)
         cfg = self.cfg
-        if backend == "fused" and cfg.precondition and not (cfg.momentum or cfg.frozen or pieces):
+        if backend == "fused" and cfg.precondition and not (cfg.momentum or cfg.frozen):
             loop = replace(loop, step_bias=self.alpha_bias.expand(batch, self.n_heads))
         mem_pending = [state.mem_pending] if state.mem_pending.length else []
         partial = state.partial if state.partial.length else None
