@@ -1,10 +1,14 @@
 """The SMT's chunk step as one operator, ``hope::smt_step`` (memory backend ``fused``).
 
 Under the SMT's default rule (preconditioned DGD without momentum, reads at the
-chunk-start state, no teach pieces) a complete C_o chunk is the generation (eq. 83),
-the write of every memory written every C_o tokens (eqs. 84, 88) and M_mem's read
-(eq. 94): one launch each way (``memory/ops/smt_step.py``). M_mem's write every C_m
-tokens from the pending chunks is the same in both paths (``write_pending``).
+chunk-start state) a complete C_o chunk is the generation (eq. 83), the write of every
+memory written every C_o tokens (eqs. 84, 88), M_mem's read (eq. 94) and, when
+C_m > C_o, M_mem's pending tokens and its write once they make C_m: one launch each way
+(``memory/ops/smt_step.py``). The step's outputs carry M_mem's state, the pending
+tokens and b_alpha to the next step, so each is one step's input and autograd sums no
+gradients between steps. Teach pass A's piece cuts act on the carry between steps
+(``chunk_loop``). Partial chunks take the per-operator path; both paths write M_mem
+from the same pending tokens (``write_pending`` is the per-operator one).
 """
 
 from __future__ import annotations
@@ -54,9 +58,8 @@ def fused_chunk_step(
 ) -> tuple[ChunkCarry, Tensor]:
     """One complete C_o chunk (``SelfModifyingTitans._chunk_step``) through
     ``hope::smt_step``; ``carry`` is the step's own copy, updated in place. ``bias``:
-    b_alpha expanded to [B, H] once per call, so its gradient is summed once. With
-    C_m > C_o the step also carries M_mem's pending tokens and writes M_mem when they
-    complete its chunk."""
+    b_alpha expanded to [B, H] once per call (the first step's input; later steps take
+    the copy the previous one carried)."""
     xc, query = xq
     group, flush = loop.plan[0], loop.flush  # the generators first; M_mem last when C_o = C_m
     fast = carry.stacks[group.key]
