@@ -617,9 +617,9 @@ def test_fused_backend_is_accepted_on_a_cpu_and_named_in_errors() -> None:
         dispatch.resolve_backend("fuse")
 
 
-def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
+def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, str(TESTS / "triton_worker.py"), device],
+        [sys.executable, str(TESTS / "triton_worker.py"), device, *dtypes],
         env={**os.environ, "PYTHONPATH": str(TESTS), **env},
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -627,8 +627,8 @@ def _run_worker(device: str, env: dict[str, str]) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_errors(errors: dict[str, float], fp32_tol: float) -> None:
-    assert len(errors) == 160
+def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 160) -> None:
+    assert len(errors) == count
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
 
@@ -667,4 +667,6 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
-    _check_errors(_run_worker("cuda", {}), fp32_tol=5e-5)
+    # float32 only: what training runs, and half the kernels to compile (the interpreter
+    # covers float64), so gpu_check's parity part stays within its limit.
+    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=80)

@@ -424,4 +424,7 @@ def main(
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "cpu")))
+    # argv: the device, then optionally the dtypes by name (default float64 and float32)
+    names = sys.argv[2:] or ["float64", "float32"]
+    chosen = tuple(getattr(torch, name) for name in names)
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "cpu", chosen)))
