@@ -236,13 +236,19 @@ def test_a_killed_fsdp_run_resumes_on_one_process_and_back(tmp_path: Path) -> No
     env.pop("WORLD_SIZE", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(script)]  # fmt: skip
-    proc = subprocess.Popen(command, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (out / "ckpt/step_0000010.pt").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    _kill_all(str(script))  # torchrun and its workers (their own sessions), as a scheduler
-    proc.wait()
+    log = out / "torchrun.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=sink,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not (out / "ckpt/step_0000010.pt").exists() and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        _kill_all(str(script))  # torchrun and its workers (their own sessions), as a scheduler
+        proc.wait()
+    reached = (out / "ckpt/step_0000010.pt").exists()
+    assert reached, f"no checkpoint at step 10 (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
     assert not (out / "ckpt/step_0000030.pt").exists(), "the run ended before the kill"
     # A resume continues from the newest checkpoint and never rewrites it (a fresh
     # start would: same numbers, new file).
