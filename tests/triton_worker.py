@@ -13,6 +13,7 @@ import torch
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.cms_factor_scan import cms_factor_scan_reference
+from hope.memory.ops.end_weights import chunk_end_weights_backward_reference
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
 from hope.memory.ops.generation import (
     smt_generation_backward_reference,
@@ -25,6 +26,10 @@ from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_refer
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
 from hope.memory.ops.triton_cms import cms_factor_scan_triton
+from hope.memory.ops.triton_end_weights import (
+    chunk_end_weights_backward_triton,
+    chunk_end_weights_triton,
+)
 from hope.memory.ops.triton_generation import (
     smt_generation_backward_triton,
     smt_generation_triton,
@@ -375,6 +380,28 @@ def cms_scan_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+def end_weights_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::chunk_end_weights`` both ways on strided [B, H, C] views (the Titans gates),
+    against ``momentum_chunk_weights`` and the reference backward: one token, a padded
+    chunk, the pilot chunk."""
+    errors = {}
+    for c in (1, 20, 64):
+        gen = torch.Generator().manual_seed(c)
+        # momentum decays in (0.5, 0.95) and retentions in (0.6, 1), as momentum_errors
+        low, span = torch.tensor([0.5] * 3 + [0.6] * 3), torch.tensor([0.45] * 3 + [0.4] * 3)
+        gates = low + span * torch.rand(2, c, 6, generator=gen, dtype=torch.float64)
+        eta, keep = gates.to(device, dtype).transpose(1, 2).split(3, dim=1)
+        grad = torch.randn(2, 3, c, generator=gen, dtype=torch.float64).to(device, dtype)
+        name = f"end_weights_{str(dtype).removeprefix('torch.')}_C{c}"
+        want = momentum_chunk_weights(eta, keep)
+        errors[f"{name}_forward"] = worst((chunk_end_weights_triton(eta, keep),), (want,))
+        errors[f"{name}_backward"] = worst(
+            chunk_end_weights_backward_triton(eta, keep, grad),
+            chunk_end_weights_backward_reference(eta, keep, grad),
+        )
+    return errors
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -406,6 +433,7 @@ def main(
         errors |= write_errors(dtype, device)
         errors |= step_errors(dtype, device)
         errors |= cms_scan_errors(dtype, device)
+        errors |= end_weights_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -48,8 +48,14 @@ from hope.memory.deep_mlp import (
     naive_deep_write,
 )
 from hope.memory.fast_state import where_samples
-from hope.memory.ops.chunk import momentum_chunk_weights
-from hope.memory.ops.dispatch import compiled, momentum_write, overshoot, resolve_backend
+from hope.memory.ops.dispatch import (
+    compiled,
+    end_weights_of,
+    momentum_write,
+    overshoot,
+    resolve_backend,
+    unit_rows,
+)
 from hope.memory.residual_mlp import (
     FastWeights,
     MemoryInit,
@@ -202,18 +208,18 @@ class NeuralMemory(nn.Module):
         pending = PendingChunk(empty, empty.clone(), gates, gates.clone(), gates.clone())
         return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 
-    def _project(self, x: Tensor, tail: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
+    def _project(
+        self, x: Tensor, tail: Tensor | None, backend: str
+    ) -> tuple[list[Tensor], Tensor | None]:
         """q, k, v heads [B, H, T, d_h] (Ti §4.4: SiLU, conv, L2-norm q and k)."""
         batch, seq, dim = x.shape
         qkv = F.silu(self.w_qkv(x))
         if self.conv is not None:
             assert tail is not None
             qkv, tail = self.conv(qkv, tail)
-        q, k, v = (
-            t.reshape(batch, seq, self.n_heads, self.d_head).transpose(1, 2)
-            for t in qkv.split(dim, dim=-1)
-        )
-        return [F.normalize(q, dim=-1), F.normalize(k, dim=-1), v], tail
+        q, k, v = (t.reshape(batch, seq, self.n_heads, self.d_head) for t in qkv.split(dim, dim=-1))
+        q, k = unit_rows(q, backend), unit_rows(k, backend)
+        return [t.transpose(1, 2) for t in (q, k, v)], tail
 
     def forward(
         self, x: Tensor, state: NeuralMemoryState | None = None, backend: str | None = None
@@ -223,7 +229,7 @@ class NeuralMemory(nn.Module):
         if state is None:
             state = self.init_state(batch)
         backend = resolve_backend(backend)
-        (q, k, v), tail = self._project(x, state.conv_tail)
+        (q, k, v), tail = self._project(x, state.conv_tail, backend)
         # [B, T, 3H] -> three [B, H, T] gates
         gates = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
         # The write stream is [pending | new]; reads are of the new tokens only.
@@ -291,7 +297,7 @@ class NeuralMemory(nn.Module):
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
         # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
         # w_s once: the cap reads it detached, the write differentiates through it.
-        weights = momentum_chunk_weights(eta, keep)
+        weights = end_weights_of(eta, keep, backend)
         cap = chunk_step_cap(step.coupling, weights, backend)
         rate = cap * theta / step.curvature.clamp_min(1.0)
         fast = momentum_write(
@@ -316,7 +322,7 @@ class NeuralMemory(nn.Module):
         inner step: a deviation (docs/FAITHFULNESS.md, ``chunk_step_cap``)."""
         read = deep_apply(fast.weights, q)
         factors = deep_factors(fast.weights, k, v)
-        weights = momentum_chunk_weights(eta, keep)
+        weights = end_weights_of(eta, keep, backend)
         step = chunk_step_cap(factors.coupling, weights, backend) * theta
         step = step / factors.curvature.clamp_min(1.0)
         if resolve_backend(backend) == "naive":

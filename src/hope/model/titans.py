@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from hope.layers import MLP, RMSNorm, swiglu_hidden
 from hope.memory.deep_mlp import DeepFastWeights
-from hope.memory.ops.dispatch import compiled, resolve_backend
+from hope.memory.ops.dispatch import compiled, resolve_backend, unit_rows
 from hope.memory.residual_mlp import FastWeights
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
@@ -181,8 +181,8 @@ class TitansMACBlock(_TitansBlock):
         per-head L2 norm as the memory's own queries, Ti §4.4)."""
         batch, length, dim = x_n.shape
         heads = self.memory.n_heads
-        q = F.silu(self.retrieve_q(x_n)).view(batch, length, heads, dim // heads).transpose(1, 2)
-        return F.normalize(q, dim=-1)
+        q = F.silu(self.retrieve_q(x_n)).view(batch, length, heads, dim // heads)
+        return unit_rows(q).transpose(1, 2)
 
     def retrieve(self, queries: Tensor, fast: FastWeights | DeepFastWeights) -> Tensor:
         """h = W_o M*(q) [B, S, d] for queries [B, H, S, d_h] with the given memory

@@ -57,6 +57,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.end_weights import chunk_end_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
 from hope.memory.ops.overshoot import bounded_step_op, overshoot_ratio_op
@@ -152,6 +153,14 @@ def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) 
 def unit_rows(x: Tensor, backend: str | None = None) -> Tensor:
     """x / ||x|| over the last axis (``F.normalize``); one operator under ``fused``."""
     return l2_normalize(x) if resolve_backend(backend) == "fused" else F.normalize(x, dim=-1)
+
+
+def end_weights_of(eta: Tensor, keep: Tensor, backend: str | None = None) -> Tensor:
+    """``momentum_chunk_weights`` [B, H, C] of a Titans chunk's momentum decay and
+    retention; one operator under ``fused``."""
+    if resolve_backend(backend) == "fused":
+        return chunk_end_weights(eta, keep)  # type: ignore[no-any-return]
+    return momentum_chunk_weights(eta, keep)
 
 
 def overshoot(kernel: Tensor, step: Tensor, backend: str | None = None) -> Tensor:
@@ -266,7 +275,7 @@ def momentum_write(
         name = "torch"  # no fla kernel for the momentum write: the closed form
     fac = factors or grad_factors(fast.w1, fast.w2, k, target, objective, residual)
     if name == "fused":
-        weights = momentum_chunk_weights(eta, keep) if end_weights is None else end_weights
+        weights = end_weights_of(eta, keep, name) if end_weights is None else end_weights
         dt = fast.w1.dtype  # one dtype into the kernel, as for the DGD write
         parts = (k, fac.e, fac.a, fac.d, theta, eta, keep, weights)
         state = (fast.w1, fast.w2, fast.m1, fast.m2)
