@@ -209,7 +209,7 @@ class NeuralMemory(nn.Module):
         return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 
     def _project(
-        self, x: Tensor, tail: Tensor | None, backend: str
+        self, x: Tensor, tail: Tensor | None, backend: str | None = None
     ) -> tuple[list[Tensor], Tensor | None]:
         """q, k, v heads [B, H, T, d_h] (Ti §4.4: SiLU, conv, L2-norm q and k)."""
         batch, seq, dim = x.shape
