@@ -48,6 +48,8 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hope.memory.ops.layouts import dense_copies
+
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 MB = 1024 * 1024
 
@@ -106,7 +108,9 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 
 class LaunchCounter(TorchDispatchMode):
-    """Counts the kernel-launching aten ops dispatched while active (``count``)."""
+    """Counts the kernel-launching ops dispatched while active (``count``): aten ops, and
+    each fused ``hope::`` operator with the copies its CUDA wrapper makes of strided
+    arguments (``memory/ops/layouts.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,7 +124,7 @@ class LaunchCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if launches_kernel(func):
-            self.count += 1
+            self.count += 1 + dense_copies(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 
