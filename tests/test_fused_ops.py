@@ -32,6 +32,7 @@ from hope.memory.ops.cms_factor_scan import cms_factor_scan, cms_factor_scan_ref
 from hope.memory.ops.end_weights import chunk_end_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.generation import smt_generation
+from hope.memory.ops.layouts import dense_below, dense_copies
 from hope.memory.ops.memory_apply import memory_apply
 from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.ops.smt_step import smt_step
@@ -250,6 +251,21 @@ def test_launch_counter_counts_the_copies_a_cuda_wrapper_makes_of_strided_argume
         momentum_chunk_weights(eta, keep)  # aten ops only: nothing added
     plain = counter.count
     assert plain > 5
+
+
+def test_dense_copies_skip_only_the_strides_a_kernel_reads() -> None:
+    """``smt_step_backward`` reads saved x, query, b_alpha and the read's gradient at any
+    strides, the rows' and gates' gradients at any batch and head strides: every other
+    strided argument is one copy."""
+    op = torch.ops.hope.smt_step_backward.default
+    dense = torch.zeros(1, 2, 8, 3, 4)
+    sliced = torch.zeros(1, 2, 16, 3, 4)[:, :, :8]  # gaps between heads only
+    twisted = torch.zeros(1, 2, 3, 8, 4).transpose(2, 3)  # gaps inside a head's rows
+    saved = [dense, dense, twisted, sliced, None, None, twisted, sliced, None, None, dense, dense]
+    grads = [None, None, None, None, sliced, twisted, twisted, None, None, None, None, None]
+    # copied: saved[7] (not read in place) and grads[5] (its rows are not dense)
+    assert dense_copies(op, (saved, False, False, 1.0, 4, False, grads), {}) == 2
+    assert dense_below(sliced, 2) and not dense_below(twisted, 2) and dense_below(twisted, 4)
 
 
 PASS_CASES = {

@@ -306,6 +306,11 @@ STEP_CASES = [
 ]
 
 
+def _keep_layout(t: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` on ``device`` in ``dtype`` with its strides (``.to`` makes strided views dense)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device).copy_(t)
+
+
 def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     """``hope::smt_step``'s kernels against its reference, every output and gradient."""
     errors = {}
@@ -331,9 +336,15 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
                 dim=-1,
             )
             pending = (rows, gates.double())
-        raw = (w1, w2, rand(b, h, c, d), None if adaptive else rand(b, h, c, d), *mem,
-               rand(h).expand(b, h), flags.repeat_interleave(h), *pending)  # fmt: skip
-        x = tuple(None if t is None else t.to(device, dtype) for t in raw)
+        # x and the query strided as the SMT passes them (read in place by the kernels):
+        # x a chunk of the conv's [B, D, T] output seen as heads, the query a chunk of
+        # [B, H, T, D]
+        x_in = rand(b, d, c + 3, h).permute(0, 3, 2, 1)[:, :, 1 : 1 + c]
+        query = None if adaptive else rand(b, h, c + 2, d)[:, :, 2:]
+        raw = (w1, w2, x_in, query, *mem, rand(h).expand(b, h), flags.repeat_interleave(h),
+               *pending)  # fmt: skip
+        x = tuple(None if t is None else _keep_layout(t, device, dtype) if j in (2, 3)
+                  else t.to(device, dtype) for j, t in enumerate(raw))  # fmt: skip
         options = (False, dot, 0.7, g, flush)
         want = smt_step_reference(x, options)
         read, loss = "own" if own else "apart", "dot" if dot else "l2"
@@ -345,6 +356,13 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
                                           tuple(want[j] for j in present))  # fmt: skip
         grads = tuple(None if j in missing or not w.numel() else rand_like(w, gen)
                       for j, w in enumerate(want))  # fmt: skip
+        if grads[6] is not None:  # the read's gradient strided, as a [B, T, H, D] slice
+            g_read = grads[6].transpose(1, 2).contiguous().transpose(1, 2)
+            grads = (*grads[:6], g_read, *grads[7:])
+        # the rows' and gates' gradients as slices of longer ones (the next step's pending)
+        longer = [g if g is None else torch.cat((g, g), dim=2)[:, :, : g.shape[2]]
+                  for g in grads[4:6]]  # fmt: skip
+        grads = (*grads[:4], *longer, *grads[6:])
         saved = (*x, want[4], want[5])
         got_g = smt_step_backward_triton(saved, options, grads)
         ref = smt_step_backward_reference(x, options, grads)

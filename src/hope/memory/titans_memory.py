@@ -217,9 +217,14 @@ class NeuralMemory(nn.Module):
         if self.conv is not None:
             assert tail is not None
             qkv, tail = self.conv(qkv, tail)
+        if resolve_backend(backend) == "fused":
+            # Dense [B, H, T, d_h] heads, one copy per call: the fused operators' kernels
+            # take a chunk of them without a copy of their own (one per chunk and operator).
+            heads = qkv.reshape(batch, seq, 3, self.n_heads, self.d_head)
+            q, k, v = heads.permute(2, 0, 3, 1, 4).contiguous().unbind(0)
+            return [unit_rows(q, backend), unit_rows(k, backend), v], tail
         q, k, v = (t.reshape(batch, seq, self.n_heads, self.d_head) for t in qkv.split(dim, dim=-1))
-        q, k = unit_rows(q, backend), unit_rows(k, backend)
-        return [t.transpose(1, 2) for t in (q, k, v)], tail
+        return [unit_rows(t, backend).transpose(1, 2) for t in (q, k)] + [v.transpose(1, 2)], tail
 
     def forward(
         self, x: Tensor, state: NeuralMemoryState | None = None, backend: str | None = None
@@ -230,8 +235,13 @@ class NeuralMemory(nn.Module):
             state = self.init_state(batch)
         backend = resolve_backend(backend)
         (q, k, v), tail = self._project(x, state.conv_tail, backend)
-        # [B, T, 3H] -> three [B, H, T] gates
-        gates = torch.sigmoid(self.gates(x)).transpose(1, 2).split(self.n_heads, 1)
+        # [B, T, 3H] -> three [B, H, T] gates (dense under ``fused``, as the heads)
+        gate_values = torch.sigmoid(self.gates(x))
+        if backend == "fused":
+            gate_heads = gate_values.view(batch, seq, 3, self.n_heads).permute(2, 0, 3, 1)
+            gates = gate_heads.contiguous().unbind(0)
+        else:
+            gates = gate_values.transpose(1, 2).split(self.n_heads, 1)
         # The write stream is [pending | new]; reads are of the new tokens only.
         held = state.pending.length
         stream = [k, v, *gates]

@@ -15,39 +15,51 @@ from typing import Any
 
 import torch
 
-# Operator -> its tensor arguments the kernel reads through their strides: None for the
-# whole argument, or the positions read so inside a list argument.
-STRIDED_READS: dict[str, dict[str, frozenset[int] | None]] = {
-    "hope::smt_step": {"alpha_bias": None},  # its batch stride (b_alpha expanded)
-    "hope::smt_step_backward": {"saved": frozenset({6})},  # the same b_alpha
-    "hope::chunk_end_weights": {"eta": None, "keep": None},
-    "hope::chunk_end_weights_backward": {"eta": None, "keep": None, "grad": None},
+# Operator -> its tensor arguments the kernel reads in place: by name, the number of
+# leading dimensions whose strides the kernel reads (the rest must be dense: ``ALL`` for
+# every stride); for a list argument, that number by position in the list.
+ALL = 8
+Leading = int | dict[int, int]
+STRIDED_READS: dict[str, dict[str, Leading]] = {
+    # x (a chunk of the conv's output as heads), the query (a chunk of x W_q) and b_alpha
+    # (expanded over the batch); in the backward the same, the read's gradient, and the
+    # rows' and gates' gradients per (sample, head) (slices of the next step's).
+    "hope::smt_step": {"x": ALL, "query": ALL, "alpha_bias": ALL},
+    "hope::smt_step_backward": {"saved": {2: ALL, 3: ALL, 6: ALL}, "grads": {4: 2, 5: 2, 6: ALL}},
+    "hope::chunk_end_weights": {"eta": ALL, "keep": ALL},
+    "hope::chunk_end_weights_backward": {"eta": ALL, "keep": ALL, "grad": ALL},
 }
 
 
-def _copied(value: Any, kept: frozenset[int] | None, listed: bool) -> int:
+def dense_below(t: torch.Tensor, leading: int) -> bool:
+    """Whether ``t`` is dense (row-major, no gaps) in its dimensions after ``leading``."""
+    if leading >= t.dim():
+        return True
+    expected = 1
+    sizes, strides = t.shape[leading:], t.stride()[leading:]
+    for size, stride in zip(reversed(sizes), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _copies(value: Any, leading: Leading | None) -> int:
     if isinstance(value, torch.Tensor):
-        return int(value.numel() > 0 and not value.is_contiguous() and not listed)
+        depth = leading if isinstance(leading, int) else 0
+        return int(value.numel() > 0 and not dense_below(value, depth))
     if isinstance(value, (list, tuple)):
-        return sum(
-            _copied(item, None, kept is not None and index in kept)
-            for index, item in enumerate(value)
-        )
+        at = leading if isinstance(leading, dict) else {}
+        return sum(_copies(item, at.get(index)) for index, item in enumerate(value))
     return 0
 
 
 def dense_copies(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The copies the CUDA wrapper of ``func`` (a ``hope::`` operator; 0 for any other)
-    makes before its kernel: one per strided tensor argument it does not read through
-    its strides."""
+    makes before its kernel: one per tensor argument not dense where its kernel needs it."""
     if func.namespace != "hope":
         return 0
-    strided = STRIDED_READS.get(func._schema.name, {})
+    reads = STRIDED_READS.get(func._schema.name, {})
     names = [argument.name for argument in func._schema.arguments]
     values = dict(zip(names, args, strict=False)) | kwargs
-    count = 0
-    for name, value in values.items():
-        if name in strided and strided[name] is None:
-            continue
-        count += _copied(value, strided.get(name), False)
-    return count
+    return sum(_copies(value, reads.get(name)) for name, value in values.items())

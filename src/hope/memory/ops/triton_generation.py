@@ -150,18 +150,22 @@ def raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, g, h, H, GH, i, o, I, O, M, HAS_
 
 @triton.jit
 def head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o, live,
-                H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY: tl.constexpr,
+                H, GH, C, I, O, M, BIAS_STRIDE, Q_SC, Q_SD, eta_scale, HAS_QUERY: tl.constexpr,
                 HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, CP: tl.constexpr,
                 OP: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
                 DOT: tl.constexpr):  # fmt: skip
     """Eq. 83 for one head: the members' raw outputs (k, v, q or x W_q, eta's first
-    column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1)."""
+    column) and k, v, q, eta, alpha (padded tokens: eta 0, alpha 1). ``query_ptr``: this
+    head's query rows x W_q, read through their strides Q_SC (tokens), Q_SD (features)."""
     raw_k = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 0, h, H, GH, i, o, I, O, M, HAS_SCALE,
                  RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
     raw_v = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
                  RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
     if HAS_QUERY:
-        raw_q = load_tile(query_ptr + head * C * I, t, i, C, I, I)
+        rows, cols = t[:, None], i[None, :]
+        raw_q = tl.load(
+            query_ptr + rows * Q_SC + cols * Q_SD, mask=(rows < C) & (cols < I), other=0.0
+        )  # this head's query rows, read through their strides
         first = 2
     else:
         raw_q = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 2, h, H, GH, i, o, I, O, M, HAS_SCALE,

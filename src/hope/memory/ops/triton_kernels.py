@@ -45,6 +45,14 @@ def load_tile(ptr, rows, cols, n_rows, n_cols, stride):
 
 
 @triton.jit
+def load_strided(ptr, rows, cols, n_rows, n_cols, row_stride, col_stride):
+    """``load_tile`` of a matrix with any strides (a view read in place)."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offsets = rows[:, None] * row_stride + cols[None, :] * col_stride
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def store_tile(ptr, value, rows, cols, n_rows, n_cols, stride):
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     tl.store(ptr + rows[:, None] * stride + cols[None, :], value, mask=mask)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hope.memory.ops.layouts import dense_below
 from hope.memory.ops.pointwise import EPS
 from hope.memory.ops.smt_step import _mem_gets_grad
 from hope.memory.ops.triton_generation import (
@@ -28,7 +29,7 @@ from hope.memory.ops.triton_generation import (
     head_generation,
     skip_of,
 )
-from hope.memory.ops.triton_kernels import flat_heads, load_tile, store_tile
+from hope.memory.ops.triton_kernels import flat_heads, load_strided, load_tile, store_tile
 from hope.memory.ops.triton_pass import pad_size, rows_backward
 from hope.memory.ops.triton_write import write_member_bwd, write_member_fwd
 
@@ -61,7 +62,8 @@ def _store_rows(rows_ptr, gates_ptr, k, v, q, eta, alpha, t, i, n, I):
 def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
                   prows_ptr, pgates_ptr, w1_out, w2_out, inc1_out, inc2_out, rows_out,
                   gates_out, read_out, m1_out, m2_out, mi1_out, mi2_out, bias_out,
-                  H, GH, C, P, I, O, M, BIAS_STRIDE, eta_scale,
+                  H, GH, C, P, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
+                  Q_SB, Q_SH, Q_SC, Q_SD, eta_scale,
                   HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_PEND: tl.constexpr,
                   FLUSH: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
                   DOT_LOSS: tl.constexpr, CP: tl.constexpr, CMP: tl.constexpr,
@@ -72,9 +74,10 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     b, h = head // H, head % H
     t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
     live = t < C
-    x = load_tile(x_ptr + head * C * I, t, i, C, I, I)
-    gen = head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
-                      live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
+    x = load_strided(x_ptr + b * X_SB + h * X_SH, t, i, C, I, X_SC, X_SD)
+    gen = head_generation(w1_ptr, w2_ptr, x, query_ptr + b * Q_SB + h * Q_SH, bias_ptr,
+                      scale_ptr, b, h, head, t, i, o, live, H, GH, C, I, O, M, BIAS_STRIDE,
+                      Q_SC, Q_SD, eta_scale, HAS_QUERY, HAS_SCALE,
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
     tl.store(bias_out + head, tl.load(bias_ptr + b * BIAS_STRIDE + h))  # carried
@@ -155,7 +158,9 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   gread_ptr, gm1_ptr, gm2_ptr, gmi1_ptr, gmi2_ptr, gbias_ptr, dw1_ptr, dw2_ptr,
                   dx_ptr,
                   dquery_ptr, dr1_ptr, dr2_ptr, dbias_ptr, drows_ptr, dgates_ptr,
-                  H, GH, C, P, I, O, M, BIAS_STRIDE, eta_scale,
+                  H, GH, C, P, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
+                  Q_SB, Q_SH, Q_SC, Q_SD, G_SB, G_SH, G_SC, G_SD, GR_SB, GR_SH, GG_SB, GG_SH,
+                  eta_scale,
                   HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, FLUSH: tl.constexpr,
                   HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr,
                   HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
@@ -171,23 +176,27 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
     live = t < C
     rows = head * C * I
-    x = load_tile(x_ptr + rows, t, i, C, I, I)
-    gen = head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, head, t, i, o,
-                      live, H, GH, C, I, O, M, BIAS_STRIDE, eta_scale, HAS_QUERY, HAS_SCALE,
+    x = load_strided(x_ptr + b * X_SB + h * X_SH, t, i, C, I, X_SC, X_SD)
+    gen = head_generation(w1_ptr, w2_ptr, x, query_ptr + b * Q_SB + h * Q_SH, bias_ptr,
+                      scale_ptr, b, h, head, t, i, o, live, H, GH, C, I, O, M, BIAS_STRIDE,
+                      Q_SC, Q_SD, eta_scale, HAS_QUERY, HAS_SCALE,
                       RESIDUAL, CP, OP, BLOCK_M, EPS, DOT)  # fmt: skip
     raw_k, raw_v, raw_q, raw_eta = gen[0], gen[1], gen[2], gen[3]
     k, v, q, eta, alpha = gen[4], gen[5], gen[6], gen[7], gen[8]
     # dL/d(the pending and this chunk's tokens): given, plus M_mem's write's backward.
     n = P + C
     tm = tl.arange(0, CMP)
-    d_km, d_vm, d_qm = _rows_of(grows_ptr + head * n * 3 * I, tm, i, n if HAS_GROWS else 0, I)
-    d_etam, d_alpham = _gates_of(ggates_ptr + head * n * 2, tm, n if HAS_GGATES else 0, 0.0)
+    # The rows' and gates' gradients: dense per head, batch and head strides read (a
+    # slice of the next step's pending gradients needs no copy).
+    grows_head, ggates_head = grows_ptr + b * GR_SB + h * GR_SH, ggates_ptr + b * GG_SB + h * GG_SH
+    d_km, d_vm, d_qm = _rows_of(grows_head, tm, i, n if HAS_GROWS else 0, I)
+    d_etam, d_alpham = _gates_of(ggates_head, tm, n if HAS_GGATES else 0, 0.0)
     if FLUSH:
         mem = _rows_of(rows_ptr + head * n * 3 * I, tm, i, n, I)
         mem_gates = _gates_of(gates_ptr + head * n * 2, tm, n, 1.0)
         a, c = head * O * M, head * M * I
         share = write_member_bwd(r1_ptr + a, r2_ptr + c, gm1_ptr + a, gm2_ptr + c, gmi1_ptr + a,
-                                 gmi2_ptr + c, gread_ptr, dr1_ptr + a, dr2_ptr + c, mem[0],
+                                 gmi2_ptr + c, gread_ptr, O, 1, dr1_ptr + a, dr2_ptr + c, mem[0],
                                  mem[1], mem[0], mem_gates[0], mem_gates[1], 1.0, tm, i, o,
                                  tm < n, 0, I, O, M, False, True, DOT_LOSS, HAS_GM1, HAS_GM2,
                                  HAS_GMI1, HAS_GMI2, False, CMP, IP, OP, BLOCK_M, MSQUARINGS,
@@ -203,9 +212,9 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         sh = b * GH + g * H + h
         a, c = sh * O * M, sh * M * I
         share = write_member_bwd(w1_ptr + a, w2_ptr + c, gw1_ptr + a, gw2_ptr + c, gi1_ptr + a,
-                                 gi2_ptr + c, gread_ptr, dw1_ptr + a, dw2_ptr + c, k, v, q, eta,
-                                 alpha, skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i,
-                                 o, live, C, I, O, M, False, HAS_SCALE or RESIDUAL, DOT_LOSS,
+                                 gi2_ptr + c, gread_ptr, O, 1, dw1_ptr + a, dw2_ptr + c, k, v, q,
+                                 eta, alpha, skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL),
+                                 t, i, o, live, C, I, O, M, False, HAS_SCALE or RESIDUAL, DOT_LOSS,
                                  HAS_GW1, HAS_GW2, HAS_GI1, HAS_GI2, False, CP, IP, OP,
                                  BLOCK_M, SQUARINGS, DOT)  # fmt: skip
         d_k, d_v = d_k + share[0], d_v + share[1]
@@ -215,7 +224,8 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         sh = b * GH + g * H + h
         a, c = sh * O * M, sh * M * I
         share = write_member_bwd(w1_ptr + a, w2_ptr + c, gw1_ptr + a, gw2_ptr + c, gi1_ptr + a,
-                                 gi2_ptr + c, gread_ptr + head * C * O, dw1_ptr + a,
+                                 gi2_ptr + c, gread_ptr + b * G_SB + h * G_SH, G_SC, G_SD,
+                                 dw1_ptr + a,
                                  dw2_ptr + c, k, v, q, eta, alpha,
                                  skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live,
                                  C, I, O, M, True, HAS_SCALE or RESIDUAL, DOT_LOSS, HAS_GW1,
@@ -224,7 +234,9 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         d_k, d_v, d_q = d_k + share[0], d_v + share[1], d_q + share[2]
         d_eta, d_alpha = d_eta + share[3], d_alpha + share[4]
     else:  # M_mem apart (residual): the read's backward, plus its write's or its copy's
-        g_read = load_tile(gread_ptr + head * C * O, t, o, C if HAS_GREAD else 0, O, O)
+        g_read = load_strided(
+            gread_ptr + b * G_SB + h * G_SH, t, o, C if HAS_GREAD else 0, O, G_SC, G_SD
+        )
         d_q += g_read
         a, c = head * O * M, head * M * I
         for m0 in range(0, M, BLOCK_M):
@@ -271,6 +283,13 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     store_tile(dx_ptr + rows, d_x, t, i, C, I, I)
 
 
+def _strides(name: str, t: Tensor) -> dict[str, int]:
+    """A [B, H, C, D] tensor's strides as the kernels' ``{name}_SB``, ``_SH``, ``_SC``,
+    ``_SD`` (read in place: chunk slices and transposed layouts need no copy)."""
+    return dict(zip((f"{name}_SB", f"{name}_SH", f"{name}_SC", f"{name}_SD"), t.stride(),
+                    strict=True))  # fmt: skip
+
+
 def _sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> dict[str, Any]:
     w1, _, x, query, r1, _, bias, scale, pend_rows = inputs[:9]
     assert w1 is not None and x is not None and bias is not None
@@ -283,7 +302,9 @@ def _sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> dict[
     cp, cmp = pad_size(c), pad_size(held + c)
     return {
         "H": heads, "GH": gh, "C": c, "P": held, "I": i, "O": o, "M": m,
-        "BIAS_STRIDE": bias.stride(0), "eta_scale": eta_scale, "HAS_QUERY": query is not None,
+        "BIAS_STRIDE": bias.stride(0), **_strides("X", x),
+        **_strides("Q", x if query is None else query),
+        "eta_scale": eta_scale, "HAS_QUERY": query is not None,
         "OWN_READ": r1 is None, "FLUSH": flush, "HAS_SCALE": scale is not None,
         "RESIDUAL": residual, "DOT_LOSS": dot, "CP": cp, "CMP": cmp, "IP": pad_size(i),
         "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)), "SQUARINGS": cp.bit_length() - 2,
@@ -292,15 +313,14 @@ def _sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> dict[
 
 
 def _flat(inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
-    """The kernels' inputs contiguous (alpha_bias as given: its batch stride is read),
-    absent ones replaced by x (never read)."""
+    """The kernels' inputs contiguous (x, the query and alpha_bias as given: their strides
+    are read; ``layouts.STRIDED_READS``), absent ones replaced by x (never read)."""
     w1, w2, x, query, r1, r2, bias, scale, *pending = inputs
     assert w1 is not None and w2 is not None and x is not None and bias is not None
-    xf = flat_heads(x)
-    rest = [xf if t is None else flat_heads(t) for t in (query, r1, r2)]
-    scale_f = xf if scale is None else scale.to(w1.dtype).contiguous()
-    held = [xf if t is None else t.contiguous() for t in pending]
-    return [flat_heads(w1), flat_heads(w2), xf, *rest, bias, scale_f, *held]
+    rest = [x if query is None else query, *(x if t is None else flat_heads(t) for t in (r1, r2))]
+    scale_f = x if scale is None else scale.to(w1.dtype).contiguous()
+    held = [x if t is None else t.contiguous() for t in pending]
+    return [flat_heads(w1), flat_heads(w2), x, *rest, bias, scale_f, *held]
 
 
 def smt_step_triton(
@@ -339,7 +359,18 @@ def smt_step_backward_triton(
     assert rows is not None and gates is not None
     sizes = _sizes(saved[:10], options)
     flat = _flat(saved[:10])
-    g_flat = [flat[2] if g is None or not g.numel() else g.contiguous() for g in grads]
+    # The read's gradient (index 6) is read through its strides, the rows' and gates'
+    # (4, 5) through their batch and head strides; the others dense.
+    g_flat = [
+        flat[2] if g is None or not g.numel() else g if j in (4, 5, 6) else g.contiguous()
+        for j, g in enumerate(grads)
+    ]
+    for j in (4, 5):
+        if g_flat[j] is not flat[2] and not dense_below(g_flat[j], 2):
+            g_flat[j] = g_flat[j].contiguous()
+    g_read = grads[6] if grads[6] is not None and grads[6].numel() else x
+    held_strides = {"GR_SB": g_flat[4].stride(0), "GR_SH": g_flat[4].stride(1),
+                    "GG_SB": g_flat[5].stride(0), "GG_SH": g_flat[5].stride(1)}  # fmt: skip
     mem = (
         [None, None]
         if r1 is None or r2 is None
@@ -354,7 +385,7 @@ def smt_step_backward_triton(
         *flat[:8], rows.contiguous(), gates.contiguous(), *g_flat,
         *(flat[2] if t is None else t for t in outs),
         **{f: g is not None and g.numel() > 0 for f, g in zip(flags, grads, strict=True)},
-        **sizes,
+        **sizes, **_strides("G", g_read), **held_strides,
     )  # fmt: skip
     if not _mem_gets_grad(r1, options[4], list(grads)):
         outs[4] = outs[5] = None

@@ -30,6 +30,7 @@ from hope.memory.ops.triton_kernels import (
     chunk_terms_of,
     dgd_cc_backward,
     flat_heads,
+    load_strided,
     load_tile,
     store_tile,
 )
@@ -174,7 +175,8 @@ def _write_grads_of(w1_ptr, w2_ptr, gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, m, i, o,
 
 
 @triton.jit
-def write_member_bwd(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g, gread_g, dw1_g, dw2_g,
+def write_member_bwd(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g, gread_g, GREAD_SR, GREAD_SC,
+                     dw1_g, dw2_g,
                      k, v, q, eta_in, alpha, skip, t, i, o, live, CQ, I, O, M,
                      HAS_Q: tl.constexpr, HAS_SKIP: tl.constexpr, DOT_LOSS: tl.constexpr,
                      HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
@@ -182,7 +184,8 @@ def write_member_bwd(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g, gread_g, dw1_g, dw2
                      IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
                      SQUARINGS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """One member's share of the write's backward (pointers at this member's head):
-    dW1, dW2 stored at dw1_g, dw2_g; returns its shares of d(k, v, q, eta, alpha)."""
+    dW1, dW2 stored at dw1_g, dw2_g; returns its shares of d(k, v, q, eta, alpha). The read's
+    gradient at gread_g has strides GREAD_SR (tokens) and GREAD_SC (features)."""
     # The forward again: E, the bound, the write's C x C terms.
     pred, v_hat, _, back_sq, gram = _pass_forward(w1_g, w2_g, k, v, q, t, i, o, I, O, M,
                                                   False, CP, OP, BLOCK_M, DOT)  # fmt: skip
@@ -232,7 +235,7 @@ def write_member_bwd(w1_g, w2_g, gw1_g, gw2_g, gi1_g, gi2_g, gread_g, dw1_g, dw2
         g_err += tl.dot(-eta[:, None] * d_u * slope, tl.trans(w1), input_precision=DOT)
     g_pred = tl.zeros([CP, OP], dtype=k.dtype) if DOT_LOSS else 2.0 * g_err
     g_vhat = -g_err if DOT_LOSS else -2.0 * g_err
-    g_read = load_tile(gread_g, t, o, CQ if HAS_GREAD else 0, O, O)
+    g_read = load_strided(gread_g, t, o, CQ if HAS_GREAD else 0, O, GREAD_SR, GREAD_SC)
     d_v = tl.zeros([CP, IP], dtype=k.dtype)
     d_q = tl.zeros([CP, IP], dtype=k.dtype)
     for m0 in range(0, M, BLOCK_M):
@@ -298,7 +301,8 @@ def _smt_write_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, eta_ptr, alpha_ptr, scal
             skip = tl.load(scale_ptr + gh)
         a, b = bh * O * M, bh * M * I
         share = write_member_bwd(w1_ptr + a, w2_ptr + b, gw1_ptr + a, gw2_ptr + b, gi1_ptr + a,
-                                 gi2_ptr + b, gread_ptr + bh * CQ * O, dw1_ptr + a, dw2_ptr + b,
+                                 gi2_ptr + b, gread_ptr + bh * CQ * O, O, 1, dw1_ptr + a,
+                                 dw2_ptr + b,
                                  k, v, q, eta_in, alpha, skip, t, i, o, live, CQ, I, O, M,
                                  HAS_Q, HAS_SCALE or RESIDUAL, DOT_LOSS, HAS_GW1, HAS_GW2,
                                  HAS_GI1, HAS_GI2, HAS_GREAD, CP, IP, OP, BLOCK_M, SQUARINGS,
