@@ -117,14 +117,20 @@ def chunk_dgd_update(
     return torch.addcmul(inc1, gamma, w1), torch.addcmul(change2, gamma, w2), inc1, inc2
 
 
-def _chunk_end_weights(log_b: Tensor, log_a: Tensor) -> Tensor:
-    """w_s = sum_{j>=s} (a_C/a_j)(b_j/b_s) [B, H, C] from log b_t, log a_t [B, H, C]."""
+def chunk_end_terms(log_b: Tensor, log_a: Tensor) -> Tensor:
+    """P[j, s] = (a_C/a_j)(b_j/b_s) [B, H, C(j), C(s)] for j >= s (zero elsewhere) from
+    log b_t, log a_t [B, H, C]: token s's share, through token j, of the chunk end."""
     n = log_b.shape[-1]
     lower = torch.ones(n, n, dtype=torch.bool, device=log_b.device).tril()  # j >= s
     # log[(a_C/a_j)(b_j/b_s)] indexed [j, s]
     logit = (log_a[..., -1:] - log_a + log_b).unsqueeze(-1) - log_b.unsqueeze(-2)
     logit = torch.where(lower, logit, torch.zeros_like(logit))
-    return torch.where(lower, torch.exp(logit), torch.zeros_like(logit)).sum(-2)
+    return torch.where(lower, torch.exp(logit), torch.zeros_like(logit))
+
+
+def _chunk_end_weights(log_b: Tensor, log_a: Tensor) -> Tensor:
+    """w_s = sum_{j>=s} (a_C/a_j)(b_j/b_s) [B, H, C] from log b_t, log a_t [B, H, C]."""
+    return chunk_end_terms(log_b, log_a).sum(-2)
 
 
 def momentum_chunk_weights(eta: Tensor, keep: Tensor) -> Tensor:

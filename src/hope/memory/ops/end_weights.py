@@ -24,16 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hope.memory.ops.chunk import momentum_chunk_weights
-
-
-def _terms(eta: Tensor, keep: Tensor) -> Tensor:
-    """P [B, H, C(j), C(s)] (zero where j < s)."""
-    log_b, log_a = torch.cumsum(torch.log(eta), -1), torch.cumsum(torch.log(keep), -1)
-    n = eta.shape[-1]
-    later = torch.ones(n, n, dtype=torch.bool, device=eta.device).tril()  # j >= s
-    logit = (log_a[..., -1:] - log_a + log_b).unsqueeze(-1) - log_b.unsqueeze(-2)
-    return torch.where(later, torch.exp(torch.where(later, logit, 0.0)), 0.0)
+from hope.memory.ops.chunk import chunk_end_terms, momentum_chunk_weights
 
 
 def chunk_end_weights_backward_reference(
@@ -41,7 +32,8 @@ def chunk_end_weights_backward_reference(
 ) -> tuple[Tensor, Tensor]:
     """(dL/deta, dL/dkeep) [B, H, C] of w = ``momentum_chunk_weights(eta, keep)`` given
     dL/dw, in PyTorch ops (the module docstring's closed form)."""
-    terms = _terms(eta, keep)
+    log_b, log_a = torch.cumsum(torch.log(eta), -1), torch.cumsum(torch.log(keep), -1)
+    terms = chunk_end_terms(log_b, log_a)
     weights = terms.sum(-2)
     along = (terms * grad.unsqueeze(-2)).sum(-1)  # R_j
     d_log_b = along - grad * weights
