@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from hope.memory.ops.pointwise import EPS
-from hope.memory.ops.triton_kernels import load_tile, store_tile
+from hope.memory.ops.triton_kernels import load_strided, load_tile, store_tile
 from hope.memory.ops.triton_pass import gelu
 
 
@@ -162,10 +162,7 @@ def head_generation(w1_ptr, w2_ptr, x, query_ptr, bias_ptr, scale_ptr, b, h, hea
     raw_v = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 1, h, H, GH, i, o, I, O, M, HAS_SCALE,
                  RESIDUAL, CP, OP, BLOCK_M, DOT)  # fmt: skip
     if HAS_QUERY:
-        rows, cols = t[:, None], i[None, :]
-        raw_q = tl.load(
-            query_ptr + rows * Q_SC + cols * Q_SD, mask=(rows < C) & (cols < I), other=0.0
-        )  # this head's query rows, read through their strides
+        raw_q = load_strided(query_ptr, t, i, C, I, Q_SC, Q_SD)
         first = 2
     else:
         raw_q = raw_member(w1_ptr, w2_ptr, scale_ptr, x, b, 2, h, H, GH, i, o, I, O, M, HAS_SCALE,
