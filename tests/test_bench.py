@@ -138,6 +138,18 @@ def test_failing_measurement_is_skipped_with_its_reason(
     assert report["skipped"] == {"tiny": {"hope_attention": "RuntimeError: deliberately broken"}}
 
 
+def test_isolated_measurement_raises_the_measuring_process_error() -> None:
+    """A measurement in its own process returns the row of one in this process (the
+    counts are deterministic) and fails with the measuring process's own exception."""
+    cfg = small_cfg("bench.num_threads=1")
+    row = bench_run.measure_isolated(cfg, "transformer", "tiny")
+    here = bench_run.measure_variant(cfg, "transformer", "tiny")
+    assert (row["launches_per_step"], row["params"]) == (here["launches_per_step"], here["params"])
+    assert row["loss"] == pytest.approx(here["loss"], rel=1e-6)
+    with pytest.raises(ConfigError, match="unknown shape 'nope'"):
+        bench_run.measure_isolated(cfg, "transformer", "nope")
+
+
 def test_without_transformer_the_ratios_are_null(tmp_path: Path) -> None:
     report = bench_run.run_bench(
         small_cfg("bench.variants=[titans_lmm]"), tmp_path / "b.json", isolate=False

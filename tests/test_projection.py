@@ -166,3 +166,29 @@ def test_bench_projects_with_its_memory_backend(
     report = bench_run._project(cfg, ["transformer"], {})
     assert seen == [counted] and report["memory_backend"] == counted
     assert dispatch.resolve_backend(None) == "torch"
+
+
+def test_projections_counted_in_worker_processes_equal_the_in_process_ones() -> None:
+    """The stage counts the (preset, variant) projections in ``bench.num_threads``
+    fresh processes side by side: the same rows as one after another here, in the
+    configured order; a projection that fails in a worker is skipped with its reason
+    and the others are kept."""
+    cfg = load_config(
+        ROOT / "params.yaml",
+        ["bench.variants=[transformer, hope_attention]", "bench.project_presets=[pilot]"],
+    )
+    here_skipped: dict[str, dict[str, str]] = {}
+    here = bench_run._project(cfg, ["transformer", "hope_attention"], here_skipped, workers=1)
+    bad = dataclasses.replace(cfg.bench, project_presets=["pilot", "nonexistent"])
+    apart_skipped: dict[str, dict[str, str]] = {}
+    apart = bench_run._project(
+        dataclasses.replace(cfg, bench=bad), ["transformer", "hope_attention"], apart_skipped,
+        workers=2,
+    )  # fmt: skip
+    assert here_skipped == {}
+    assert apart["presets"]["pilot"] == here["presets"]["pilot"]
+    assert list(apart["presets"]["pilot"]) == ["transformer", "hope_attention"]
+    assert apart["presets"]["nonexistent"] == {}
+    reasons = apart_skipped["projection/nonexistent"]
+    assert set(reasons) == {"transformer", "hope_attention"}
+    assert all("nonexistent" in reason for reason in reasons.values()), reasons

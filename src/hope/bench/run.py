@@ -5,8 +5,9 @@ bench builds the model, a real AdamW (``build_optimizer`` with the default
 ``OptimConfig``, so optimizer knobs cannot change the benchmark) and the
 warmup/cosine schedule, runs ``bench.warmup`` untimed and ``bench.steps`` timed
 ``train_step`` calls on seeded random tokens, then one more step with the host-sync
-counters on. Each (shape, variant) runs in a fresh Python process so its peak
-memory is its own (see :mod:`hope.bench.measure`).
+counters on. Each (shape, variant) runs in a fresh process so its peak memory is
+its own (see :mod:`hope.bench.measure`), forked from a server that imported torch
+once (``fresh_processes``).
 
 Shapes: :mod:`hope.bench.shapes` (tiny, smoke, pilot_chunks, pilot_frozen, pilot).
 
@@ -21,17 +22,16 @@ recorded under ``skipped`` with the reason; the bench itself does not fail.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import functools
 import logging
 import math
+import multiprocessing
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -163,27 +163,24 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
     }
 
 
-class MeasurementFailed(RuntimeError):
-    """A measurement subprocess exited with an error; the message is its last stderr line."""
+def fresh_processes() -> BaseContext:
+    """Processes forked from a server that has imported torch and the bench once and run
+    nothing: each starts clean (own peak RSS, allocator and thread pools, as a new
+    interpreter) without paying the ~3 s of imports a new interpreter would."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["hope.bench.run"])
+    return context
+
+
+def _measure_job(config: dict[str, Any], variant: str, shape_name: str) -> dict[str, Any]:
+    return measure_variant(config_from_dict(config), variant, shape_name)
 
 
 def measure_isolated(cfg: Config, variant: str, shape_name: str) -> dict[str, Any]:
-    """``measure_variant`` in a fresh interpreter (own peak RSS, own allocator state)."""
-    with tempfile.TemporaryDirectory(prefix="hope-bench-") as tmp:
-        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job.write_text(
-            json.dumps({"config": cfg.to_dict(), "variant": variant, "shape": shape_name})
-        )
-        proc = subprocess.run(
-            [sys.executable, "-m", "hope.bench.run", "--one", str(job), str(result)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-            raise MeasurementFailed(lines[-1] if lines else f"exit code {proc.returncode}")
-        return dict(json.loads(result.read_text()))
+    """``measure_variant`` in a fresh process (``fresh_processes``); its exception, or
+    ``BrokenProcessPool`` when it dies, is raised here."""
+    with ProcessPoolExecutor(1, mp_context=fresh_processes(), max_tasks_per_child=1) as pool:
+        return pool.submit(_measure_job, cfg.to_dict(), variant, shape_name).result()
 
 
 def add_relative(rows: dict[str, dict[str, Any]]) -> None:
@@ -220,8 +217,11 @@ def machine_info(cfg: Config) -> dict[str, Any]:
 def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str, Any]:
     """Measure every (shape, variant), write ``out_path`` atomically, return the report.
 
-    ``isolate=False`` measures in this process (tests: patched methods and
-    test-registered variants are visible; peak memory is then the process's).
+    ``isolate=True``: each measurement in a fresh process (``measure_isolated``), the
+    projection's counts in ``bench.num_threads`` processes side by side, after the
+    timed measurements. ``isolate=False`` measures and projects in this process
+    (tests: patched methods and test-registered variants are visible; peak memory is
+    then the process's).
     """
     from hope.model.zoo import VARIANTS
 
@@ -243,7 +243,8 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
         if threads and report["machine"]["torch_threads"] is None:
             report["machine"]["torch_threads"] = threads[0]
         report[name] = rows
-    report["projection"] = _project(cfg, VARIANTS, skipped)
+    workers = max(1, bench.num_threads) if isolate else 1
+    report["projection"] = _project(cfg, VARIANTS, skipped, workers)
     report["skipped"] = skipped
     report["config"] = {
         **dataclasses.asdict(bench),
@@ -257,30 +258,69 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
 
 
 def _project(
-    cfg: Config, registered: Sequence[str], skipped: dict[str, dict[str, str]]
+    cfg: Config,
+    registered: Sequence[str],
+    skipped: dict[str, dict[str, str]],
+    workers: int = 1,
 ) -> dict[str, Any]:
     """``bench.project_presets`` x ``bench.variants``: projected GPU steps (launch
-    counts on this CPU, see :mod:`hope.bench.projection`); failures go to skipped."""
-    presets: dict[str, dict[str, Any]] = {}
+    counts on this CPU, see :mod:`hope.bench.projection`); failures go to skipped.
+    ``workers`` > 1: the (preset, variant) projections run in that many fresh
+    single-threaded processes (counting is host-bound and deterministic: running side
+    by side changes no count); 1: here, one after another."""
     # The launches of the bench's memory backend where the dispatch count sees what a
     # GPU runs (torch, fused); compiled and FLA steps are projected as torch.
     backend = cfg.bench.memory_backend if cfg.bench.memory_backend == "fused" else "torch"
+    jobs = [
+        (preset, variant)
+        for preset in cfg.bench.project_presets
+        for variant in cfg.bench.variants
+        if variant in registered
+    ]
+    results: dict[tuple[str, str], Future[dict[str, Any]]] = {}
+    if workers > 1 and jobs:
+        processes = min(workers, len(jobs))
+        context = fresh_processes()
+        with ProcessPoolExecutor(processes, context, torch.set_num_threads, (1,)) as pool:
+            # The longest counting contexts first, so no long count starts last.
+            for job in sorted(jobs, key=_counting_cost, reverse=True):
+                results[job] = pool.submit(_project_job, *job, backend)
+            rows = {job: _outcome(results[job].result) for job in jobs}
+    else:
+        rows = {job: _outcome(functools.partial(_project_job, *job, backend)) for job in jobs}
+    presets: dict[str, dict[str, Any]] = {preset: {} for preset in cfg.bench.project_presets}
+    for (preset, variant), row in rows.items():
+        if isinstance(row, str):
+            skipped.setdefault(f"projection/{preset}", {})[variant] = row
+        else:
+            presets[preset][variant] = row
+    return {"constants": projection.constants(), "memory_backend": backend, "presets": presets}
+
+
+def _counting_cost(job: tuple[str, str]) -> float:
+    try:
+        return projection.counting_lengths(projection.preset_model(*job))[1]
+    except ConfigError:  # a bad preset: its job runs (first) and reports why
+        return math.inf
+
+
+def _project_job(preset: str, variant: str, backend: str) -> dict[str, Any]:
+    """One preset's projection of ``variant`` counted under ``backend``; the process's
+    default backend is restored after."""
     before = resolve_backend(None)
     set_default_backend(backend)
     try:
-        for preset in cfg.bench.project_presets:
-            rows: dict[str, Any] = {}
-            for variant in (v for v in cfg.bench.variants if v in registered):
-                try:
-                    rows[variant] = projection.project_variant(preset, variant)
-                except Exception as err:  # noqa: BLE001 - keep the other projections
-                    skipped.setdefault(f"projection/{preset}", {})[variant] = (
-                        f"{type(err).__name__}: {err}"
-                    )
-            presets[preset] = rows
+        return projection.project_variant(preset, variant)
     finally:
         set_default_backend(before)
-    return {"constants": projection.constants(), "memory_backend": backend, "presets": presets}
+
+
+def _outcome(run: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
+    """``run()``'s row, or the reason it failed (the other projections are kept)."""
+    try:
+        return run()
+    except Exception as err:  # noqa: BLE001 - keep the other projections
+        return f"{type(err).__name__}: {err}"
 
 
 def _measure_into(
@@ -305,19 +345,3 @@ def _measure_into(
         rows[variant]["host_syncs_per_step"], rows[variant]["launches_per_step"],
     )  # fmt: skip
     return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hope.bench.run --one JOB.json RESULT.json``: one isolated measurement."""
-    parser = argparse.ArgumentParser(description="one isolated bench measurement")
-    parser.add_argument("--one", nargs=2, metavar=("JOB", "RESULT"), required=True, type=Path)
-    args = parser.parse_args(argv)
-    job_path, result_path = args.one
-    job = json.loads(job_path.read_text())
-    row = measure_variant(config_from_dict(job["config"]), job["variant"], job["shape"])
-    result_path.write_text(json.dumps(row))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
