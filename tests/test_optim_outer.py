@@ -14,7 +14,7 @@ from torch import nn
 from hope import build_model
 from hope.config import OptimConfig, load_config
 from hope.errors import ConfigError
-from hope.layers import RMSNorm
+from hope.memory.norm import RMSNorm
 from hope.model.config import ModelConfig
 from hope.optim.groups import HybridOptimizer, partition_params
 from hope.optim.m3 import M3, build_m3_hybrid

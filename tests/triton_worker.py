@@ -22,6 +22,7 @@ from hope.memory.ops.generation import (
 from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory_apply_reference
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
+from hope.memory.ops.rms_norm import rms_norm_backward_reference, rms_norm_reference
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
@@ -43,6 +44,7 @@ from hope.memory.ops.triton_kernels import (
     overshoot_ratio_triton,
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
+from hope.memory.ops.triton_norm import rms_norm_backward_triton, rms_norm_triton
 from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
 from hope.memory.ops.triton_step import smt_step_backward_triton, smt_step_triton
 from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_triton
@@ -141,6 +143,22 @@ def normalize_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, f
             worst((back[live],), (back_ref[live],)), worst((back[:6],), (back_ref[:6],))
         ),
     }
+
+
+def rms_norm_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """37 rows (several blocks, a partial one) of mean square 0.25..4 (eps reaches the
+    kernel as an fp32 scalar: its rounding stays below the float64 bound here)."""
+    gen = torch.Generator().manual_seed(100 + width)
+    scale = torch.linspace(0.5, 2.0, 37, dtype=torch.float64)[:, None]
+    x = torch.randn(37, width, generator=gen, dtype=torch.float64) * scale
+    weight = 1.0 + 0.1 * torch.randn(width, generator=gen, dtype=torch.float64)
+    grad = torch.randn(37, width, generator=gen, dtype=torch.float64)
+    x, weight, grad = (t.to(device, dtype) for t in (x, weight, grad))
+    name = f"rms_norm_{str(dtype).removeprefix('torch.')}_D{width}"
+    forward = worst((rms_norm_triton(x, weight, 1e-6),), (rms_norm_reference(x, weight, 1e-6),))
+    got = rms_norm_backward_triton(x, weight, grad, 1e-6)
+    want = rms_norm_backward_reference(x, weight, grad, 1e-6)
+    return {f"{name}_forward": forward, f"{name}_backward": worst(got, want)}
 
 
 # The memory pass (G stacked members, H heads, C keys, C_q queries, I, h_m): the SMT's
@@ -444,6 +462,8 @@ def main(
             errors |= momentum_errors(c, i, m, o, dtype, device)
         for width in (12, 64, 1):
             errors |= normalize_errors(width, dtype, device)
+        for width in (24, 130, 1):
+            errors |= rms_norm_errors(width, dtype, device)
         for case in PASS_CASES:
             errors |= pass_errors(case, dtype, device)
         errors |= apply_errors(dtype, device)

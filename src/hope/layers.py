@@ -1,4 +1,5 @@
-"""Building blocks shared by the memories and every variant: RMSNorm, rotary embedding, MLPs.
+"""Building blocks shared by the memories and every variant: rotary embedding, MLPs, GELU's
+derivative (RMSNorm, which has a fused form, is ``hope.memory.norm``).
 
 Imports only torch, so `hope.memory` and `hope.model` can both use it."""
 
@@ -42,20 +43,6 @@ def gelu_backward(signal: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     PyTorch's own fused GELU-backward kernel: one launch instead of gelu_prime's few;
     differentiable in both arguments. Equal to ``signal * gelu_prime(z)`` (tests)."""
     return torch.ops.aten.gelu_backward(signal, z)
-
-
-class RMSNorm(nn.Module):
-    """y = x / rms(x) * g, computed in fp32 so bf16 autocast does not lose the scale."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight.to(normed.dtype)).to(x.dtype)
 
 
 def rotary_tables(

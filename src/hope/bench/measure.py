@@ -48,7 +48,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hope.memory.ops.layouts import dense_copies
+from hope.memory.ops.layouts import wrapper_launches
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 MB = 1024 * 1024
@@ -109,8 +109,9 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 class LaunchCounter(TorchDispatchMode):
     """Counts the kernel-launching ops dispatched while active (``count``): aten ops, and
-    each fused ``hope::`` operator with the copies its CUDA wrapper makes of strided
-    arguments (``memory/ops/layouts.py``)."""
+    each fused ``hope::`` operator with the launches its CUDA wrapper makes besides
+    its kernel: copies of strided arguments, fixed extra launches
+    (``memory/ops/layouts.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,7 +125,7 @@ class LaunchCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if launches_kernel(func):
-            self.count += 1 + dense_copies(func, args, kwargs or {})
+            self.count += 1 + wrapper_launches(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 

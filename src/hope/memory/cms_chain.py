@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hope.layers import RMSNorm
 from hope.memory.cms import CMSLevel, Layout
 from hope.memory.cms_state import LevelState
 from hope.memory.config import CMSConfig
+from hope.memory.norm import RMSNorm
 from hope.optim.inner import InnerRule, make_inner_rule
 
 

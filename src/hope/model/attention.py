@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hope.layers import RMSNorm, apply_rotary, rotary_tables
+from hope.layers import apply_rotary, rotary_tables
+from hope.memory.norm import RMSNorm
 from hope.memory.pieces import PieceGrid
 
 

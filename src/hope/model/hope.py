@@ -25,10 +25,10 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from hope.layers import RMSNorm
 from hope.memory.cms_chain import CMS
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import detach_state
+from hope.memory.norm import RMSNorm
 from hope.memory.pieces import PieceGrid
 from hope.memory.smt import SelfModifyingTitans
 from hope.model.attention import (

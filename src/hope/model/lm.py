@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
-from hope.layers import RMSNorm
 from hope.memory.deep_mlp import DeepMemoryInit
 from hope.memory.fast_state import restore_state
+from hope.memory.norm import RMSNorm
 from hope.memory.residual_mlp import MemoryInit
 from hope.model.config import ModelConfig
 

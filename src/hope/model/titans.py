@@ -29,8 +29,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hope.layers import MLP, RMSNorm, swiglu_hidden
+from hope.layers import MLP, swiglu_hidden
 from hope.memory.deep_mlp import DeepFastWeights
+from hope.memory.norm import RMSNorm
 from hope.memory.ops.dispatch import compiled, resolve_backend, unit_rows
 from hope.memory.residual_mlp import FastWeights
 from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hope.layers import MLP, RMSNorm, swiglu_hidden
+from hope.layers import MLP, swiglu_hidden
+from hope.memory.norm import RMSNorm
 from hope.model.attention import CausalSelfAttention, KVCache
 from hope.model.config import ModelConfig
 from hope.model.lm import LanguageModel

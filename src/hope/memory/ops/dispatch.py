@@ -33,8 +33,8 @@ Backends:
   whole write, pass, bounded step and DGD (``smt_state.fused_group_write``:
   ``smt_write.py``), the SMT's whole chunk step with M_mem's pending tokens and write
   (``memory/smt_fused.py``: ``smt_step.py``), the CMS dual form's chunk scan
-  (``cms_dual``: ``cms_factor_scan.py``) and the normalisation ``unit_rows``
-  (``pointwise.py``). The other
+  (``cms_dual``: ``cms_factor_scan.py``), the normalisation ``unit_rows``
+  (``pointwise.py``) and every RMSNorm (``rms_normalized``: ``rms_norm.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
@@ -62,6 +62,7 @@ from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
 from hope.memory.ops.overshoot import bounded_step_op, overshoot_ratio_op
 from hope.memory.ops.pointwise import l2_normalize
+from hope.memory.ops.rms_norm import rms_norm, rms_norm_reference
 from hope.memory.ops.stacking import repeat_heads
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -153,6 +154,14 @@ def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) 
 def unit_rows(x: Tensor, backend: str | None = None) -> Tensor:
     """x / ||x|| over the last axis (``F.normalize``); one operator under ``fused``."""
     return l2_normalize(x) if resolve_backend(backend) == "fused" else F.normalize(x, dim=-1)
+
+
+def rms_normalized(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:
+    """x / rms(x) ⊙ w over the last axis (``rms_norm_reference``); one operator each
+    way under ``fused``."""
+    if resolve_backend(backend) == "fused":
+        return rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+    return rms_norm_reference(x, weight, eps)
 
 
 def end_weights_of(eta: Tensor, keep: Tensor, backend: str | None = None) -> Tensor:

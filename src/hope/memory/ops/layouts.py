@@ -5,8 +5,9 @@ tensors: a strided tensor argument (a chunk sliced out of [B, H, T, D], a transp
 conv output, the gates split out of [B, T, 3H]) is first copied by ``.contiguous()``,
 one more launch, inside the operator where a dispatch counter cannot see it. A few
 arguments are read through their strides instead (``STRIDED_READS``). ``dense_copies``
-counts the copies a call makes, so a CPU's launch count (``hope.bench.measure``) is
-what a GPU pays, copies included.
+counts the copies a call makes and ``wrapper_launches`` adds the launches a wrapper
+makes after its kernel (``EXTRA_LAUNCHES``), so a CPU's launch count
+(``hope.bench.measure``) is what a GPU pays, copies included.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     "hope::chunk_end_weights": {"eta": ALL, "keep": ALL},
     "hope::chunk_end_weights_backward": {"eta": ALL, "keep": ALL, "grad": ALL},
 }
+
+
+# Operator -> the launches its CUDA wrapper makes after its kernel, whatever the layouts
+# (the RMSNorm backward sums its blocks' shares of the weight's gradient).
+EXTRA_LAUNCHES: dict[str, int] = {"hope::rms_norm_backward": 1}
 
 
 def dense_below(t: torch.Tensor, leading: int) -> bool:
@@ -63,3 +69,14 @@ def dense_copies(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dic
     names = [argument.name for argument in func._schema.arguments]
     values = dict(zip(names, args, strict=False)) | kwargs
     return sum(_copies(value, reads.get(name)) for name, value in values.items())
+
+
+def wrapper_launches(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> int:
+    """The launches the CUDA wrapper of ``func`` makes besides its kernel: its copies of
+    strided arguments (``dense_copies``) and its fixed extra launches (0 for any op
+    that is not a ``hope::`` operator)."""
+    if func.namespace != "hope":
+        return 0
+    return dense_copies(func, args, kwargs) + EXTRA_LAUNCHES.get(func._schema.name, 0)
