@@ -577,17 +577,25 @@ FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
         ("hope", {"smt_adaptive_q": True, "smt_mem_chunk": 8}),
         ("hope", FROZEN),
         ("titans_mac", {}),
+        ("titans_mag", {}),
         ("transformer", {}),
     ],
-    ids=["hope", "hope-adaptive_q-one_group", "hope-frozen_reads", "titans_mac", "transformer"],
+    ids=[
+        "hope",
+        "hope-adaptive_q-one_group",
+        "hope-frozen_reads",
+        "titans_mac",
+        "titans_mag",
+        "transformer",
+    ],
 )
 def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(
     variant: str, extra: dict[str, int]
 ) -> None:
     """HOPE (its SMT writes through the operator; the frozen-read mode's masked copies
     too), Titans (its momentum write through ``hope::momentum_chunk``) and the
-    transformer (its norms through ``hope::rms_norm``) under ``fused`` equal ``torch``
-    in float64."""
+    transformer (its norms and rotary embedding through ``hope::rms_norm`` and
+    ``hope::rotary``) under ``fused`` equal ``torch`` in float64."""
     shape = {"dim": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 64, "cms_periods": [4, 16],
              "smt_chunk": 8, "smt_mem_chunk": 16, "titans_chunk": 8}  # fmt: skip
     cfg = dataclasses.replace(ModelConfig(), variant=variant, **{**shape, **extra})
@@ -691,7 +699,7 @@ def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, flo
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 184) -> None:
+def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 196) -> None:
     assert len(errors) == count
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
@@ -723,7 +731,7 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
         "_overshoot", "_memory_pass_fwd", "_memory_pass_bwd", "_memory_apply_fwd",
         "_memory_apply_bwd", "_generation_fwd", "_generation_bwd", "_smt_write_fwd",
         "_smt_write_bwd", "_smt_step_fwd", "_smt_step_bwd", "_cms_scan", "_end_weights",
-        "_rms_norm",
+        "_rms_norm", "_rotary",
     }  # fmt: skip
     assert set(kernels) == expected
     for name, info in kernels.items():
@@ -734,4 +742,4 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
     # float32 only: what training runs, and half the kernels to compile (the interpreter
     # covers float64), so gpu_check's parity part stays within its limit.
-    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=92)
+    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=98)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hope.layers import rotary_tables
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.cms_factor_scan import cms_factor_scan_reference
 from hope.memory.ops.end_weights import chunk_end_weights_backward_reference
@@ -23,6 +24,7 @@ from hope.memory.ops.memory_apply import memory_apply_backward_reference, memory
 from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_pass_reference
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
 from hope.memory.ops.rms_norm import rms_norm_backward_reference, rms_norm_reference
+from hope.memory.ops.rotary import rotary_reference
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
@@ -46,6 +48,7 @@ from hope.memory.ops.triton_kernels import (
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
 from hope.memory.ops.triton_norm import rms_norm_backward_triton, rms_norm_triton
 from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
+from hope.memory.ops.triton_rotary import rotary_triton
 from hope.memory.ops.triton_step import smt_step_backward_triton, smt_step_triton
 from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_triton
 from hope.memory.residual_mlp import overshoot_ratio
@@ -159,6 +162,22 @@ def rms_norm_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, fl
     got = rms_norm_backward_triton(x, weight, grad, 1e-6)
     want = rms_norm_backward_reference(x, weight, grad, 1e-6)
     return {f"{name}_forward": forward, f"{name}_backward": worst(got, want)}
+
+
+def rotary_errors(dim: int, dtype: torch.dtype, device: str) -> dict[str, float]:
+    """k as a permuted view of a [B, T, 3, H, D] projection, 37 positions from 5 (several
+    blocks, a partial one), both directions."""
+    gen = torch.Generator().manual_seed(200 + dim)
+    qkv = torch.randn(2, 37, 3, 3, dim, generator=gen, dtype=torch.float64).to(device, dtype)
+    k = qkv.permute(2, 0, 3, 1, 4)[1]
+    cos, sin = rotary_tables(dim, 5, 37, 10000.0, torch.device(device), dtype)
+    name = f"rotary_{str(dtype).removeprefix('torch.')}_D{dim}"
+    return {
+        f"{name}_{way}": worst(
+            (rotary_triton(k, cos, sin, inverse),), (rotary_reference(k, cos, sin, inverse),)
+        )
+        for way, inverse in (("forward", False), ("inverse", True))
+    }
 
 
 # The memory pass (G stacked members, H heads, C keys, C_q queries, I, h_m): the SMT's
@@ -464,6 +483,8 @@ def main(
             errors |= normalize_errors(width, dtype, device)
         for width in (24, 130, 1):
             errors |= rms_norm_errors(width, dtype, device)
+        for dim in (8, 64, 2):
+            errors |= rotary_errors(dim, dtype, device)
         for case in PASS_CASES:
             errors |= pass_errors(case, dtype, device)
         errors |= apply_errors(dtype, device)

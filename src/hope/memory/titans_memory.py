@@ -61,6 +61,7 @@ from hope.memory.residual_mlp import (
     MemoryInit,
     chunk_pass,
     mlp_apply,
+    stacked_apply,
 )
 
 # Gate values at init (the paper gives none): theta at half its cap (a
@@ -339,8 +340,13 @@ class NeuralMemory(nn.Module):
             return naive_deep_write(fast, k, v, step, eta, keep), read
         return deep_momentum_write(fast, factors, step, eta, keep, weights), read
 
-    def read(self, fast: FastWeights | DeepFastWeights, q: Tensor) -> Tensor:
-        """M(q) [B, H, T, d_h] with the given fast weights (any depth)."""
+    def read(
+        self, fast: FastWeights | DeepFastWeights, q: Tensor, backend: str | None = None
+    ) -> Tensor:
+        """M(q) [B, H, T, d_h] with the given fast weights (any depth); one operator each
+        way under ``fused`` (``stacked_apply`` of the one member)."""
         if isinstance(fast, DeepFastWeights):
             return deep_apply(fast.weights, q)
+        if resolve_backend(backend) == "fused":
+            return stacked_apply(fast.w1, fast.w2, q, True, 0, 1, fused=True)
         return mlp_apply(fast.w1, fast.w2, q, residual=True)

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hope.layers import apply_rotary, rotary_tables
+from hope.layers import rotary_tables
 from hope.memory.norm import RMSNorm
+from hope.memory.ops.dispatch import rotated
 from hope.memory.pieces import PieceGrid
 
 
@@ -89,7 +90,7 @@ class CausalSelfAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary_tables(self.head_dim, pos, length, self.rope_base, x.device, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotated(q, cos, sin), rotated(k, cos, sin)
         past = 0 if cache is None else cache.k.shape[2]
         if past > 0 and cache is not None:
             k = torch.cat((cache.k.to(k.dtype), k), dim=2)  # [B, H, past+T, D]

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from hope.layers import apply_rotary, rotary_tables
+from hope.layers import rotary_tables
+from hope.memory.ops.dispatch import rotated
 from hope.model.attention import CausalSelfAttention, KVCache, extend_valid
 
 
@@ -57,35 +58,41 @@ class SegmentView:
     """One MAC segment's tokens as its attention sees them (tensors only, so a compiled
     segment step takes it without recompiling per segment)."""
 
-    q: Tensor  # [B, H, S, D]
-    q_rot: Tensor  # [B, H, S, D]
+    q_rot: Tensor  # [B, H, S, D], rotated and scaled by 1/sqrt(D)
     k: Tensor  # [B, H, S, D], rotated
     v: Tensor  # [B, H, S, D]
     rotary: Rotary  # [S, D/2] each
-    persistent: PersistentKV | None
-    mask: Tensor  # [S, 2S] (``segment_mask``)
+    kv_weight: Tensor  # [2d, d]: the k and v rows of the fused projection
+    p_scores: Tensor | None  # [B, H, S, N_p]: scaled scores with P's keys
+    p_values: Tensor | None  # [1, H, N_p, D]: P's values
+    hidden: Tensor  # [S, 2S]: ~``segment_mask``, the pairs a query must not see
 
 
 @dataclass(frozen=True)
 class SegmentContext:
     """A MAC call's tokens as its segment attentions see them, split per segment (so
-    backward joins the segments' gradients with one cat per tensor)."""
+    backward joins the segments' gradients with one cat per tensor). What every segment
+    shares is made once per call: the scaled queries and their scores with P, the
+    hidden mask, and one view of the k/v weight rows (so backward sums the segments'
+    gradients before the one slice into the fused weight's)."""
 
-    q: Sequence[Tensor]
     q_rot: Sequence[Tensor]
     k: Sequence[Tensor]
     v: Sequence[Tensor]
     rotary: Sequence[Rotary]
-    persistent: PersistentKV | None
-    mask: Tensor  # [S, 2S] for a full segment
+    kv_weight: Tensor
+    p_scores: Sequence[Tensor] | None
+    p_values: Tensor | None
+    hidden: Tensor  # [S, 2S] for a full segment
 
     def segment(self, index: int) -> SegmentView:
-        length = self.q[index].shape[2]
-        full = self.mask.shape[0] == length
-        mask = self.mask if full else segment_mask(length, self.mask.device)
+        length = self.q_rot[index].shape[2]
+        full = self.hidden.shape[0] == length
+        hidden = self.hidden if full else ~segment_mask(length, self.hidden.device)
+        p_scores = None if self.p_scores is None else self.p_scores[index]
         return SegmentView(
-            self.q[index], self.q_rot[index], self.k[index], self.v[index],
-            self.rotary[index], self.persistent, mask,
+            self.q_rot[index], self.k[index], self.v[index], self.rotary[index],
+            self.kv_weight, p_scores, self.p_values, hidden,
         )  # fmt: skip
 
 
@@ -124,17 +131,21 @@ class PersistentAttention(CausalSelfAttention):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary
-        return q, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return q, rotated(q, cos, sin), rotated(k, cos, sin), v
 
-    def _key_value_heads(self, x: Tensor, rotary: Rotary | None) -> tuple[Tensor, Tensor]:
+    def _key_value_heads(
+        self, x: Tensor, rotary: Rotary | None, weight: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Keys (rotated when ``rotary`` is given) and values only, [B, H, T, D] each:
-        the k and v rows of the fused projection (for tokens that are never queries)."""
+        the k and v rows of the fused projection (for tokens that are never queries;
+        ``weight``: those rows, when the caller took them once for several calls)."""
         batch, length, dim = x.shape
-        kv = F.linear(x, self.qkv.weight[dim:]).view(batch, length, 2, self.n_heads, self.head_dim)
+        rows = self.qkv.weight[dim:] if weight is None else weight
+        kv = F.linear(x, rows).view(batch, length, 2, self.n_heads, self.head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return (k, v) if rotary is None else (apply_rotary(k, *rotary), v)
+        return (k, v) if rotary is None else (rotated(k, *rotary), v)
 
     def _persistent_kv(self, dtype: torch.dtype) -> PersistentKV | None:
         """Keys/values of P -> (k [H, N_p, D], v [1, H, N_p, D]), un-rotated; None without P."""
@@ -143,29 +154,30 @@ class PersistentAttention(CausalSelfAttention):
         k, v = self._key_value_heads(self.persistent.to(dtype)[None], None)
         return k[0], v
 
+    def _scaled(self, q: Tensor) -> Tensor:
+        return q * (1.0 / math.sqrt(self.head_dim))
+
+    @staticmethod
+    def _persistent_scores(q_scaled: Tensor, persistent: PersistentKV | None) -> Tensor | None:
+        """Scores [B, H, T, N_p] of the un-rotated scaled queries with P's keys (no rotary:
+        position-free)."""
+        if persistent is None:
+            return None
+        return torch.einsum("bhtd,hpd->bhtp", q_scaled, persistent[0])
+
     def _attend(
-        self,
-        q: Tensor,
-        q_rot: Tensor,
-        k: Tensor,
-        v: Tensor,
-        visible: Tensor,
-        persistent: PersistentKV | None,
+        self, q_rot: Tensor, k: Tensor, values: Tensor, hidden: Tensor, p_scores: Tensor | None
     ) -> Tensor:
-        """Softmax over [P || context]: q [B,H,T,D], k/v [B,H,K,D], visible [T, K] or
-        [B, 1, T, K], P's keys and values (``_persistent_kv``) -> [B, T, d]."""
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = torch.einsum("bhtd,bhkd->bhtk", q_rot, k) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        values = v
-        if persistent is not None:
-            k_p, v_p = persistent
-            p_scores = torch.einsum("bhtd,hpd->bhtp", q, k_p) * scale  # no rotary: position-free
+        """Softmax over [P || context]: q_rot [B,H,T,D] scaled by 1/sqrt(D), k [B,H,K,D],
+        values [B,H,N_p+K,D] (P's first when ``p_scores`` [B,H,T,N_p] is given),
+        hidden [T, K] or [B, 1, T, K] (True: not visible) -> [B, T, d]."""
+        scores = torch.einsum("bhtd,bhkd->bhtk", q_rot, k)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if p_scores is not None:
             scores = torch.cat((p_scores, scores), dim=-1)
-            values = torch.cat((v_p.expand(v.shape[0], -1, -1, -1), v), dim=2)
         # Softmax in at least fp32 (bf16 autocast), in fp64 for fp64 checks.
         work = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
-        probs = torch.softmax(scores, dim=-1, dtype=work).to(v.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=work).to(values.dtype)
         y = torch.einsum("bhtk,bhkd->bthd", probs, values)
         return self.out(y.flatten(2))
 
@@ -181,7 +193,12 @@ class PersistentAttention(CausalSelfAttention):
         valid = extend_valid(cache, x.shape[0], length)
         if valid is not None:
             visible = visible & valid[:, None, None, :]  # [B, 1, T, past+T]
-        y = self._attend(q, q_rot, k, v, visible, self._persistent_kv(q.dtype))
+        persistent = self._persistent_kv(q.dtype)
+        p_scores = self._persistent_scores(self._scaled(q), persistent)
+        values = v
+        if persistent is not None:
+            values = torch.cat((persistent[1].expand(v.shape[0], -1, -1, -1), v), dim=2)
+        y = self._attend(self._scaled(q_rot), k, values, ~visible, p_scores)
         # Only the last W-1 keys can be seen by a later query: the cache stays bounded.
         keep = min(self.window - 1, k.shape[2])
         start = k.shape[2] - keep
@@ -192,12 +209,17 @@ class PersistentAttention(CausalSelfAttention):
         """What MAC's segment attention needs of a call's tokens x [B, T, d] at positions
         pos.., built once per call: no memory read changes it."""
         rotary = self.rotary(pos, x.shape[1], x)
-        heads = self._heads(x, rotary)
-        q, q_rot, k, v = (t.split(segment, dim=2) for t in heads)
+        q, q_rot, k, v = self._heads(x, rotary)
+        persistent = self._persistent_kv(x.dtype)
+        p_scores = self._persistent_scores(self._scaled(q), persistent)
         cos, sin = (t.split(segment) for t in rotary)
         return SegmentContext(
-            q, q_rot, k, v, list(zip(cos, sin, strict=True)),
-            self._persistent_kv(x.dtype), segment_mask(segment, x.device),
+            self._scaled(q_rot).split(segment, dim=2), k.split(segment, dim=2),
+            v.split(segment, dim=2), list(zip(cos, sin, strict=True)),
+            self.qkv.weight[x.shape[2]:],
+            None if p_scores is None else p_scores.split(segment, dim=2),
+            None if persistent is None else persistent[1],
+            ~segment_mask(segment, x.device),
         )  # fmt: skip
 
     def attend_segment(self, segment: SegmentView, memory_tokens: Tensor) -> Tensor:
@@ -207,7 +229,10 @@ class PersistentAttention(CausalSelfAttention):
         h_j shares position pos+j with x_j, so the scores of query i with h_j and
         with x_j see the same relative distance.
         """
-        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary)
+        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary, segment.kv_weight)
         k = torch.cat((k_h, segment.k), dim=2)
-        v = torch.cat((v_h, segment.v), dim=2)
-        return self._attend(segment.q, segment.q_rot, k, v, segment.mask, segment.persistent)
+        parts = [v_h, segment.v]
+        if segment.p_values is not None:
+            parts.insert(0, segment.p_values.expand(v_h.shape[0], -1, -1, -1))
+        values = torch.cat(parts, dim=2)
+        return self._attend(segment.q_rot, k, values, segment.hidden, segment.p_scores)

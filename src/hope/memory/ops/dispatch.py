@@ -34,7 +34,8 @@ Backends:
   ``smt_write.py``), the SMT's whole chunk step with M_mem's pending tokens and write
   (``memory/smt_fused.py``: ``smt_step.py``), the CMS dual form's chunk scan
   (``cms_dual``: ``cms_factor_scan.py``), the normalisation ``unit_rows``
-  (``pointwise.py``) and every RMSNorm (``rms_normalized``: ``rms_norm.py``). The other
+  (``pointwise.py``), every RMSNorm (``rms_normalized``: ``rms_norm.py``) and rotary
+  embedding (``rotated``: ``rotary.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
@@ -56,6 +57,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from hope.layers import apply_rotary
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.end_weights import chunk_end_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
@@ -63,6 +65,7 @@ from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_mom
 from hope.memory.ops.overshoot import bounded_step_op, overshoot_ratio_op
 from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.ops.rms_norm import rms_norm, rms_norm_reference
+from hope.memory.ops.rotary import rotary
 from hope.memory.ops.stacking import repeat_heads
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -162,6 +165,14 @@ def rms_normalized(x: Tensor, weight: Tensor, eps: float, backend: str | None = 
     if resolve_backend(backend) == "fused":
         return rms_norm(x, weight, eps)  # type: ignore[no-any-return]
     return rms_norm_reference(x, weight, eps)
+
+
+def rotated(x: Tensor, cos: Tensor, sin: Tensor, backend: str | None = None) -> Tensor:
+    """``hope.layers.apply_rotary`` of x [B, H, T, D] by cos, sin [T, D/2]; one operator
+    each way under ``fused``."""
+    if resolve_backend(backend) == "fused":
+        return rotary(x, cos.to(x.dtype), sin.to(x.dtype), False)  # type: ignore[no-any-return]
+    return apply_rotary(x, cos, sin)
 
 
 def end_weights_of(eta: Tensor, keep: Tensor, backend: str | None = None) -> Tensor:

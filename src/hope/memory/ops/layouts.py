@@ -28,6 +28,8 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     "hope::smt_step": {"x": ALL, "query": ALL, "alpha_bias": ALL},
     "hope::smt_step_backward": {"saved": {2: ALL, 3: ALL, 6: ALL}, "grads": {4: 2, 5: 2, 6: ALL}},
     "hope::chunk_end_weights": {"eta": ALL, "keep": ALL},
+    # q and k: views of the fused qkv projection; the gradient as autograd hands it.
+    "hope::rotary": {"x": ALL},
     "hope::chunk_end_weights_backward": {"eta": ALL, "keep": ALL, "grad": ALL},
 }
 

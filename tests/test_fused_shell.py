@@ -1,5 +1,7 @@
-"""``hope::rms_norm`` (backend ``fused``): the closed-form backward against autograd of
-the PyTorch form, the RMSNorm module on either backend, and the launches each way."""
+"""The shell's fused operators (backend ``fused``): ``hope::rms_norm`` (its closed-form
+backward against autograd of the PyTorch form, the RMSNorm module on either backend)
+and ``hope::rotary`` (on the strided views the attention hands it), with the launches
+each way."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import pytest
 import torch
 
 from hope.bench.measure import LaunchCounter
+from hope.layers import apply_rotary, rotary_tables
 from hope.memory.norm import RMSNorm
 from hope.memory.ops import dispatch
 from hope.memory.ops.rms_norm import rms_norm, rms_norm_backward_reference, rms_norm_reference
+from hope.memory.ops.rotary import rotary
 
 DT = torch.float64
 
@@ -76,3 +80,30 @@ def test_rms_norm_module_is_one_operator_each_way_under_fused() -> None:
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
     assert counts["fused"] == (1, 2)
     assert counts["torch"][0] == 6 and counts["torch"][1] >= 10, counts
+
+
+@pytest.mark.parametrize("head_dim", [8, 2])
+def test_fused_rotary_equals_apply_rotary_on_qkv_views_and_is_one_launch_each_way(
+    head_dim: int,
+) -> None:
+    """k as the attention makes it (a permuted view of the fused qkv projection): the
+    rotation and its gradient (the rotation by the opposite angles) equal the PyTorch
+    form's; one launch each way, the strided input read in place."""
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(2, 5, 3, 4, head_dim, generator=gen, dtype=DT)  # [B, T, 3, H, D]
+    k = qkv.permute(2, 0, 3, 1, 4)[1].requires_grad_(True)  # [B, H, T, D], strided
+    assert not k.is_contiguous()
+    cos, sin = rotary_tables(head_dim, 3, 5, 10000.0, torch.device("cpu"), DT)
+    probe = torch.randn(2, 4, 5, head_dim, generator=gen, dtype=DT)
+    with LaunchCounter() as forward:
+        got = rotary(k, cos, sin, False)
+    with LaunchCounter() as backward:
+        (grad,) = torch.autograd.grad(got, k, probe)
+    want = apply_rotary(k, cos, sin)
+    (grad_want,) = torch.autograd.grad(want, k, probe)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(grad, grad_want, rtol=1e-15, atol=1e-15)
+    assert got.is_contiguous() and (forward.count, backward.count) == (1, 1)
+    # The inverse undoes the rotation.
+    back = rotary(got.detach(), cos, sin, True)
+    torch.testing.assert_close(back, k.detach(), rtol=1e-13, atol=1e-14)
