@@ -10,6 +10,7 @@ import pytest
 
 from hope.bench import projection as p
 from hope.bench import run as bench_run
+from hope.bench.shapes import preset_read_forms
 from hope.config import load_config
 from hope.memory.ops import dispatch
 from hope.model.config import ModelConfig
@@ -39,7 +40,7 @@ def test_launch_fit_predicts_a_direct_count_at_another_depth_and_length(
     cfg = ModelConfig(variant=variant, **chunks)  # type: ignore[arg-type]
     assert p.counting_lengths(cfg) == (16, 32)
     fit = p.fit_launches(cfg, 40)
-    forms = p._read_forms(cfg, 40)
+    forms = preset_read_forms(cfg, 40)
     assert fit.predict(3, 40) == p.count_step_launches(cfg, 40, 3, forms)
     if variant != "transformer":
         assert fit.layer_per_token > 0  # the chunk loops launch per chunk
@@ -72,9 +73,9 @@ def test_read_forms_are_the_ones_the_preset_widths_choose() -> None:
     """n_fire·C² <= h·d at the preset's context: pilot reads every level in the dual
     form; mid's 1024-token level (h = d = 1536) is materialised; target's sits on the
     boundary (4·1024² = 2048·2048) and reads dual."""
-    assert p._read_forms(p.preset_model("pilot", "hope"), 4096) == ["dual"] * 3
-    assert p._read_forms(p.preset_model("mid", "hope"), 4096) == ["dual"] * 3 + ["materialized"]
-    assert p._read_forms(p.preset_model("target", "hope"), 4096) == ["dual"] * 4
+    assert preset_read_forms(p.preset_model("pilot", "hope"), 4096) == ["dual"] * 3
+    assert preset_read_forms(p.preset_model("mid", "hope"), 4096) == ["dual"] * 3 + ["materialized"]
+    assert preset_read_forms(p.preset_model("target", "hope"), 4096) == ["dual"] * 4
 
 
 def test_step_projection_arithmetic() -> None:

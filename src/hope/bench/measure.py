@@ -11,8 +11,9 @@
 - Launches: the aten operators one step dispatches to a backend kernel (forward,
   backward, clipping, optimizer), counted with a ``TorchDispatchMode``: below
   autograd, so backward ops count; composite ops arrive already decomposed. View
-  and metadata ops (no kernel: ``prim::`` ops, ``_unsafe_view``) and bare
-  allocations (``empty*``) do not count.
+  and metadata ops (no kernel: ``prim::`` ops, ``_unsafe_view``), bare allocations
+  (``empty*``) and ops on empty tensors (a zero-token buffer: CUDA launches nothing
+  for zero elements) do not count.
   In eager mode each counted op is one host-side launch (a foreach op is one
   launch over a list of tensors); it is the host cost a GPU step pays per call.
   Code inside ``torch.compile`` regions is not dispatched op by op (a dispatch mode
@@ -23,7 +24,8 @@
   ``mm`` from compiled code, and eager ops around the compiled regions). An op that
   decomposes above the backend (CompositeImplicitAutograd, no backend kernel) is
   looked through to the ops it runs, as the dispatch counter sees them. On an eager
-  step both counters agree within 1% (tests/test_bench.py; they differ where one
+  step both counters agree within 1%, the ops on empty tensors added to the dispatch
+  count (the profiler sees no outputs; tests/test_bench.py; they differ where one
   name covers overloads that do and do not decompose, e.g. ``repeat_interleave``).
   On CUDA every backend is counted the same direct way instead
   (``CudaKernelCounter``): the kernels the profiler sees on the device during the
@@ -46,6 +48,7 @@ from typing import Any, Self
 
 import psutil
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hope.memory.ops.layouts import wrapper_launches
@@ -111,11 +114,13 @@ class LaunchCounter(TorchDispatchMode):
     """Counts the kernel-launching ops dispatched while active (``count``): aten ops, and
     each fused ``hope::`` operator with the launches its CUDA wrapper makes besides
     its kernel: copies of strided arguments, fixed extra launches
-    (``memory/ops/layouts.py``)."""
+    (``memory/ops/layouts.py``). An op whose outputs are all empty counts nothing
+    (``writes_elements``); ``empty`` holds how many such launches were left out."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.empty = 0
 
     def __torch_dispatch__(
         self,
@@ -124,9 +129,22 @@ class LaunchCounter(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if launches_kernel(func):
-            self.count += 1 + wrapper_launches(func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+        launches = 1 + wrapper_launches(func, args, kwargs or {}) if launches_kernel(func) else 0
+        out = func(*args, **(kwargs or {}))
+        if launches and writes_elements(out):
+            self.count += launches
+        else:
+            self.empty += launches
+        return out
+
+
+def writes_elements(out: Any) -> bool:
+    """Whether an op's result holds any element: an op whose outputs are all empty
+    (a zero-token buffer, its clone or cat) returns before launching anything on CUDA
+    (TensorIterator and the matmul/cat paths check numel first)."""
+    return any(
+        leaf.numel() > 0 for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)
+    )
 
 
 def enable_cpu_kernel_events() -> None:

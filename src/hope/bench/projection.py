@@ -40,9 +40,8 @@ import torch
 
 from hope.bench import flops
 from hope.bench.measure import LaunchCounter
+from hope.bench.shapes import apply_read_forms, preset_read_forms
 from hope.config import Config, OptimConfig, load_config
-from hope.memory.cms import CMSLevel, prefers_dual_read
-from hope.memory.cms_chain import CMS, split_hidden
 from hope.memory.ops.dispatch import resolve_backend
 from hope.model.config import ModelConfig
 from hope.model.zoo import build_model
@@ -99,15 +98,6 @@ def counting_lengths(cfg: ModelConfig) -> tuple[int, int]:
     return first, 2 * first
 
 
-def _read_forms(cfg: ModelConfig, seq_len: int) -> list[str]:
-    """Per CMS level, the read form the preset's widths choose at ``seq_len``."""
-    hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
-    return [
-        "dual" if prefers_dual_read(period, seq_len // period, hidden, cfg.dim) else "materialized"
-        for period, hidden in zip(cfg.cms_periods, hiddens, strict=True)
-    ]
-
-
 # Counts already made in this process, by everything a count depends on (the narrow
 # model's whole config, the context, the read forms, the memory backend in force):
 # presets that share a chunking and head count (mid and target) share their narrow
@@ -131,12 +121,7 @@ def count_step_launches(
 def _count(narrow: ModelConfig, seq_len: int, read_forms: list[str]) -> int:
     torch.manual_seed(0)
     model = build_model(narrow)
-    for module in model.modules():
-        if isinstance(module, CMS):
-            for level, form in zip(module.levels, read_forms, strict=True):
-                assert isinstance(level, CMSLevel)
-                if level.rule.linear and not level.adaptive_lr:
-                    level.read_form = form  # type: ignore[assignment]
+    apply_read_forms(model, read_forms)
     model.train()
     optim_cfg = OptimConfig()
     optimizer = build_optimizer(model, optim_cfg)
@@ -151,7 +136,7 @@ def _count(narrow: ModelConfig, seq_len: int, read_forms: list[str]) -> int:
 def fit_launches(cfg: ModelConfig, seq_len: int) -> LaunchFit:
     """The affine launch model of ``cfg`` from four counts at its counting lengths, with
     the CMS read forms the preset's widths choose at ``seq_len``."""
-    forms = _read_forms(cfg, seq_len)
+    forms = preset_read_forms(cfg, seq_len)
     short, long = counting_lengths(cfg)
     counts = {
         (layers, length): count_step_launches(cfg, length, layers, forms)

@@ -40,7 +40,7 @@ import torch
 from hope.bench import flops, projection
 from hope.bench import measure as m
 from hope.bench.report_files import split_report
-from hope.bench.shapes import bench_shape
+from hope.bench.shapes import apply_read_forms, bench_shape
 from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
 from hope.io import write_metrics
@@ -111,6 +111,8 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
     baseline_mb = m.baseline_memory_mb(device)
     m.reset_peak_memory(device)
     model = build_model(model_cfg).to(device)
+    if shape.cms_read_forms is not None:
+        apply_read_forms(model, shape.cms_read_forms)
     model.train()
     optim_cfg = OptimConfig()
     optimizer = build_optimizer(model, optim_cfg)

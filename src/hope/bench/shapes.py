@@ -9,7 +9,10 @@
 - ``pilot_chunks``: the pilot preset's chunking and head size (CMS periods
   16/64/256, SMT chunks 8/16, expansion 4, Titans chunk 64 and window 1024, head
   dim 64) in one layer of dim 128 at T = 1024, batch 1: the launches a paper-scale
-  step pays per layer, at a size a CPU measures in seconds.
+  step pays per layer, at a size a CPU measures in seconds. Its CMS levels read in
+  the form the pilot's widths choose at this context (the dual read for all three;
+  dim 128 alone would choose the materialised read for the two slow levels, a
+  different launch count than the pilot pays).
 - ``pilot_frozen``: ``pilot_chunks`` with HOPE's throughput mode (SMT write chunks of
   64 tokens, M_mem read every 16 inside them; ``memory/smt_frozen.py``).
 - ``pilot``: the pilot preset's dims and chunking (dim 1024, 16 heads, vocab
@@ -19,11 +22,16 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from hope.config import Config
 from hope.errors import ConfigError
+from hope.memory.cms import CMSLevel, prefers_dual_read
+from hope.memory.cms_chain import CMS, split_hidden
 from hope.model.config import ModelConfig
 
 SMOKE_MODEL: dict[str, Any] = {
@@ -76,6 +84,7 @@ class Shape:
     model: ModelConfig  # its ``variant`` is replaced per measurement
     seq_len: int
     batch_size: int
+    cms_read_forms: tuple[str, ...] | None = None  # None: what the widths choose
 
     def record(self) -> dict[str, Any]:
         """The exact shape, for the report: model knobs that define it plus seq and batch."""
@@ -87,7 +96,31 @@ class Shape:
         }
         keys = keys.get(self.name, {})
         model = {k: getattr(self.model, k) for k in (*keys, *SHAPE_KEYS)}
-        return {**model, "seq_len": self.seq_len, "batch_size": self.batch_size}
+        record = {**model, "seq_len": self.seq_len, "batch_size": self.batch_size}
+        if self.cms_read_forms is not None:
+            record["cms_read_forms"] = list(self.cms_read_forms)
+        return record
+
+
+def preset_read_forms(cfg: ModelConfig, seq_len: int) -> list[str]:
+    """Per CMS level, the read form a model of ``cfg``'s widths chooses at ``seq_len``
+    (``prefers_dual_read``: the choice depends on the widths, the launches on it)."""
+    hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
+    return [
+        "dual" if prefers_dual_read(period, seq_len // period, hidden, cfg.dim) else "materialized"
+        for period, hidden in zip(cfg.cms_periods, hiddens, strict=True)
+    ]
+
+
+def apply_read_forms(model: nn.Module, forms: Sequence[str]) -> None:
+    """Give every CMS level of ``model`` whose rule has both forms the read form of its
+    position in ``forms``."""
+    for module in model.modules():
+        if isinstance(module, CMS):
+            for level, form in zip(module.levels, forms, strict=True):
+                assert isinstance(level, CMSLevel)
+                if level.rule.linear and not level.adaptive_lr:
+                    level.read_form = form  # type: ignore[assignment]
 
 
 def bench_shape(cfg: Config, name: str) -> Shape:
@@ -96,12 +129,13 @@ def bench_shape(cfg: Config, name: str) -> Shape:
     if name == "smoke":
         model = dataclasses.replace(cfg.model, **SMOKE_MODEL)
         return Shape(name, model, SMOKE_SEQ_LEN, SMOKE_BATCH)
-    if name == "pilot_chunks":
-        model = dataclasses.replace(cfg.model, **PILOT_CHUNKS_MODEL)
-        return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1)
-    if name == "pilot_frozen":
-        model = dataclasses.replace(cfg.model, **PILOT_FROZEN_MODEL)
-        return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1)
+    if name in ("pilot_chunks", "pilot_frozen"):
+        chunking = PILOT_CHUNKS_MODEL if name == "pilot_chunks" else PILOT_FROZEN_MODEL
+        model = dataclasses.replace(cfg.model, **chunking)
+        # The CMS reads as the pilot's widths make it read at this context.
+        widths = dataclasses.replace(model, dim=PILOT_MODEL["dim"])
+        forms = preset_read_forms(widths, PILOT_CHUNKS_SEQ_LEN)
+        return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1, tuple(forms))
     if name == "pilot":
         model = dataclasses.replace(cfg.model, **PILOT_MODEL)
         return Shape(name, model, PILOT_SEQ_LEN, PILOT_BATCH)
