@@ -107,3 +107,20 @@ def test_fused_rotary_equals_apply_rotary_on_qkv_views_and_is_one_launch_each_wa
     # The inverse undoes the rotation.
     back = rotary(got.detach(), cos, sin, True)
     torch.testing.assert_close(back, k.detach(), rtol=1e-13, atol=1e-14)
+
+
+def test_shell_operators_pass_torch_library_opcheck() -> None:
+    """Schema, autograd registration, fake tensors (the dense results the kernels
+    return, here for a strided input) and AOT dispatch of both operators."""
+    x, weight, _ = _inputs((2, 5, 16))
+    qkv = torch.randn(2, 5, 3, 4, 8, dtype=DT)
+    k = qkv.permute(2, 0, 3, 1, 4)[1]
+    cos, sin = rotary_tables(8, 0, 5, 10000.0, torch.device("cpu"), DT)
+    cases = [
+        (rms_norm, (x.requires_grad_(True), weight.requires_grad_(True), 1e-6)),
+        (rms_norm, (x.transpose(0, 1), weight, 1e-6)),
+        (rotary, (k.requires_grad_(True), cos, sin, False)),
+    ]
+    for op, args in cases:
+        results = torch.library.opcheck(op, args)
+        assert set(results.values()) == {"SUCCESS"}, results

@@ -52,12 +52,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         from hope.memory.ops.triton_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps).contiguous()  # dense, as the kernel's
 
 
 @rms_norm.register_fake
 def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return torch.empty_like(x)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("hope::rms_norm_backward", mutates_args=())
@@ -67,12 +67,13 @@ def rms_norm_backward(x: Tensor, weight: Tensor, grad: Tensor, eps: float) -> tu
         from hope.memory.ops.triton_norm import rms_norm_backward_triton
 
         return rms_norm_backward_triton(x, weight, grad, eps)
-    return rms_norm_backward_reference(x, weight, grad, eps)
+    dx, dw = rms_norm_backward_reference(x, weight, grad, eps)
+    return dx.contiguous(), dw
 
 
 @rms_norm_backward.register_fake
 def _(x: Tensor, weight: Tensor, grad: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(weight)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
