@@ -10,10 +10,11 @@ import torch
 
 from conftest import F64
 from conftest import rand64 as rand
+from hope.bench.measure import LaunchCounter
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
-from hope.memory.ops.cms_dual import linear_coefficients
+from hope.memory.ops.cms_dual import level_coefficients, linear_coefficients
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
 
 DIM, HIDDEN = 5, 7
@@ -144,6 +145,35 @@ def test_closed_form_coefficients_equal_the_stepped_rule(
         torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-14)
     if gated and n_fire > 1:
         assert gates is not None and not bool(gates.all())  # some update was gated off
+
+
+@pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
+@pytest.mark.parametrize("dtype", (torch.float32, F64))
+def test_ungated_coefficients_come_from_one_host_table(rule: str, dtype: torch.dtype) -> None:
+    """Without gates the coefficients are one sample's cached host table, copied once and
+    expanded over the batch: exactly the closed form's values, in the caller's dtype,
+    and never the cached tensor itself (writing a result leaves the next call intact)."""
+    inner = LINEAR_RULES[rule]()
+    like = torch.zeros(1, dtype=dtype)
+    want = linear_coefficients(inner, None, 9, 7, 3, like)
+    level_coefficients(inner, None, 9, 7, 3, like)  # fills the cache
+    for _ in range(2):
+        with LaunchCounter() as counter:
+            got = level_coefficients(inner, None, 9, 7, 3, like)
+        assert counter.count == 1  # the copy to the device; nothing per update or level
+        for g, w in zip(got, want, strict=True):
+            if w is None:
+                assert g is None
+                continue
+            assert g is not None and g.dtype == dtype and g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert got[1]._base is not None  # a view of the one copied buffer
+        got[1]._base.fill_(7.0)  # the next call must not see this
+    gates = torch.ones(3, 9, dtype=torch.bool)
+    with LaunchCounter() as counter:
+        gated = level_coefficients(inner, gates, 9, 7, 3, like)
+    assert counter.count > 10  # gated: the per-sample form on the device
+    torch.testing.assert_close(gated[0], want[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
