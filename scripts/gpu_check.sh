@@ -4,7 +4,8 @@
 # For anyone with one CUDA GPU for a quarter of an hour: from a fresh checkout it
 # installs what it needs, then runs, unattended and within about 8 minutes,
 #   1. the CUDA sync-debug test (a training step of four variants under
-#      torch.cuda.set_sync_debug_mode("error"): no host syncs),
+#      torch.cuda.set_sync_debug_mode("error"): no host syncs), and the CUDA-graph
+#      tests (a captured and replayed training step and run equal the eager ones),
 #   2. compile parity (the torch.compile'd memory chunk steps equal eager ones;
 #      memory_backend=compile tests), the fused backend's Triton kernels against
 #      their PyTorch forms (tests/test_fused_ops.py) and FLA parity where
@@ -13,9 +14,11 @@
 #      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
 #      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches;
 #      HOPE's frozen-base reads compiled at the pilot_frozen shape, and hope and
-#      titans_mac with memory_backend=fused at pilot_chunks and pilot,
+#      titans_mac with memory_backend=fused at pilot_chunks and pilot, and at pilot
+#      with the step captured as one CUDA graph (bench.cuda_graph),
 #   4. the projection of the pilot shape (hope.bench.projection: launches counted on
-#      this machine's CPU) beside its measured step (measured/eager = the error),
+#      this machine's CPU) beside its measured step (measured/eager and
+#      measured/graph = the error),
 #   5. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
 #      one process (tests/dist_variants_worker.py on CUDA),
 # and writes every log and report under OUT_DIR (summary.txt first). A failing part
@@ -71,6 +74,8 @@ cp reports/bench.json "$kept" 2>/dev/null || true
 cp reports/bench_meta.json "$kept_meta" 2>/dev/null || true
 
 part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
+# A captured and replayed training step (train.cuda_graph) equals the eager one.
+part graph_capture 150 python -m pytest -q -p no:cacheprovider -rs tests/test_graph_capture.py
 # HOPE_TEST_INDUCTOR=1: every compile test through inductor's kernels (CI traces some
 # without code generation, which takes minutes per graph set on its 2 cores).
 part compile_parity 180 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
@@ -123,6 +128,10 @@ bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=comp
 bench pilot_fused --set 'bench.shapes=[pilot_chunks,pilot]' \
   --set 'bench.variants=[transformer,hope,titans_mac]' \
   --set bench.memory_backend=fused
+# The whole step captured as one CUDA graph and replayed (train.cuda_graph), with the
+# fused writes: what the projection's graph figure predicts.
+bench pilot_graph --set 'bench.shapes=[pilot]' --set 'bench.variants=[transformer,hope,titans_mac]' \
+  --set bench.memory_backend=fused --set bench.cuda_graph=true --set bench.warmup=4
 
 # The projection of the pilot preset (launch counts on this machine's CPU) for the
 # bench's pilot shape, compared below with its measured step.
@@ -144,7 +153,7 @@ python - "$out" <<'PY' | tee -a "$summary"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("pilot_chunks", "pilot", "pilot_compile", "pilot_fused"):
+for name in ("pilot_chunks", "pilot", "pilot_compile", "pilot_fused", "pilot_graph"):
     path = out / f"bench_{name}.json"
     if not path.exists():
         print(f"{name}: no report")
@@ -166,9 +175,10 @@ for name in ("pilot_chunks", "pilot", "pilot_compile", "pilot_fused"):
     for shape, skipped in meta.get("skipped", {}).items():
         for variant, reason in skipped.items():
             print(f"{name:13s} {variant:15s} skipped: {reason}")
-for suffix in ("", "_fused"):
+for suffix, bench, mode in (("", "", "eager"), ("_fused", "_fused", "eager"),
+                            ("_fused", "_graph", "graph")):
     projected = out / f"projection{suffix}.json"
-    measured = out / f"bench_pilot{suffix}.json"
+    measured = out / f"bench_pilot{bench}.json"
     if not (projected.exists() and measured.exists()):
         continue
     rows, pilot = json.loads(projected.read_text()), json.loads(measured.read_text())["pilot"]
@@ -176,10 +186,11 @@ for suffix in ("", "_fused"):
         shape = row["bench_pilot_shape"]
         h200 = shape["devices"]["H200"]
         got = pilot.get(variant, {}).get("step_ms")
-        ratio = "-" if got is None else f"{got / h200['eager_ms']:.2f}"
+        ratio = "-" if got is None else f"{got / h200[f'{mode}_ms']:.2f}"
         print(f"projection{suffix} {variant:15s} launches {shape['launches']:>9d} H200 eager "
               f"{h200['eager_ms']:>9.1f} ms graph {h200['graph_ms']:>8.1f} ms floor "
-              f"{h200['floor_ms']:>7.1f} ms measured {got} ms  measured/eager {ratio}")
+              f"{h200['floor_ms']:>7.1f} ms measured ({bench or 'eager'}) {got} ms  "
+              f"measured/{mode} {ratio}")
 PY
 [ -s "$kept" ] && cp "$kept" reports/bench.json
 [ -s "$kept_meta" ] && cp "$kept_meta" reports/bench_meta.json

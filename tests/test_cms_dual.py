@@ -14,8 +14,14 @@ from hope.bench.measure import LaunchCounter
 from hope.memory.cms import CMSLevel
 from hope.memory.cms_state import LevelState
 from hope.memory.fast_state import tensor_leaves
-from hope.memory.ops.cms_dual import _ungated_table, level_coefficients, linear_coefficients
+from hope.memory.ops.cms_dual import (
+    _device_table,
+    _ungated_table,
+    level_coefficients,
+    linear_coefficients,
+)
 from hope.optim.inner import DGDRule, GDRule, InnerRule, MomentumRule
+from hope.train.graphed import HostTensorAudit
 
 DIM, HIDDEN = 5, 7
 
@@ -150,19 +156,21 @@ def test_closed_form_coefficients_equal_the_stepped_rule(
 @pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
 @pytest.mark.parametrize("dtype", (torch.float32, F64))
 def test_ungated_coefficients_come_from_one_host_table(rule: str, dtype: torch.dtype) -> None:
-    """Without gates the coefficients are one sample's cached host table, copied once and
-    expanded over the batch: exactly the closed form's values, in the caller's dtype,
-    and never the cached tensor itself (writing a result leaves the next call intact).
-    The first call's host computation is invisible to dispatch modes, so a launch count
-    does not depend on whether the cache was warm."""
+    """Without gates the coefficients are one sample's cached table, uploaded once and
+    cloned per call, expanded over the batch: exactly the closed form's values, in the
+    caller's dtype, and never the cached tensor itself (writing a result leaves the next
+    call intact). The first call's host computation and upload are invisible to dispatch
+    modes, so a launch count does not depend on whether the cache was warm; a warm call
+    reads no host tensor (what a CUDA graph capture needs)."""
     inner = LINEAR_RULES[rule]()
     like = torch.zeros(1, dtype=dtype)
     want = linear_coefficients(inner, None, 9, 7, 3, like)
     _ungated_table.cache_clear()
+    _device_table.cache_clear()
     for _ in range(3):  # cold, then twice from the cache
         with LaunchCounter() as counter:
             got = level_coefficients(inner, None, 9, 7, 3, like)
-        assert counter.count == 1  # the copy to the device; nothing per update or level
+        assert counter.count == 1  # the clone of the device table; nothing per update or level
         for g, w in zip(got, want, strict=True):
             if w is None:
                 assert g is None
@@ -171,6 +179,11 @@ def test_ungated_coefficients_come_from_one_host_table(rule: str, dtype: torch.d
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         assert got[1]._base is not None  # a view of the one copied buffer
         got[1]._base.fill_(7.0)  # the next call must not see this
+    meta = torch.zeros(1, dtype=dtype, device="meta")  # a device without a CUDA
+    for _ in range(2):  # cold, then warm: no host tensor enters a device op
+        with HostTensorAudit(meta.device) as audit:
+            level_coefficients(inner, None, 9, 7, 3, meta)
+        assert audit.found == []
     gates = torch.ones(3, 9, dtype=torch.bool)
     with LaunchCounter() as counter:
         gated = level_coefficients(inner, gates, 9, 7, 3, like)

@@ -287,6 +287,17 @@ def _validate(cfg: Config) -> None:
             f"train.micro_batch_size={cfg.train.micro_batch_size} must be in "
             f"[1, train.batch_size={cfg.train.batch_size}] (or null: the whole batch)",
         ),
+        (
+            not cfg.train.cuda_graph or cfg.optim.name == "adamw",
+            f"train.cuda_graph=true replays the fused AdamW's step; optim.name="
+            f"{cfg.optim.name} keeps host-side state per step (use optim.name=adamw)",
+        ),
+        (
+            not cfg.train.cuda_graph or cfg.train.nproc_per_node * cfg.train.nnodes == 1,
+            f"train.cuda_graph=true captures one process's step; train.nproc_per_node="
+            f"{cfg.train.nproc_per_node} x train.nnodes={cfg.train.nnodes} ranks would "
+            "capture collectives (set train.cuda_graph=false)",
+        ),
         (cfg.train.steps >= 0, "train.steps must be >= 0"),
         (
             cfg.train.num_threads >= 1,

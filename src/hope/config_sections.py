@@ -102,6 +102,11 @@ class TrainConfig:
     # chunk steps through torch.compile (same values); "fla" needs CUDA + fla; "fused"
     # writes the SMT with one operator per chunk (Triton on CUDA; same values).
     memory_backend: Literal["torch", "compile", "fla", "fused"] = "torch"
+    # CUDA only: capture the whole training step (forward, backward, clipping, AdamW)
+    # as one CUDA graph after a few eager steps and replay it (hope.train.graphed):
+    # the same values without the host cost of each kernel launch. One process,
+    # optim.name=adamw.
+    cuda_graph: bool = False
     checkpoint_every: int = 100
     # "full": one step_*.pt with whole tensors (gathered on rank 0 under FSDP);
     # "sharded": a step_*/ directory where every rank writes its own shards through
@@ -337,6 +342,9 @@ class BenchConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     num_threads: int = 2  # torch intra-op threads while measuring (as train.num_threads)
     memory_backend: Literal["torch", "compile", "fla", "fused"] = "torch"  # as train.memory_backend
+    # CUDA only: time the step captured as a CUDA graph and replayed (train.cuda_graph);
+    # its first bench.warmup steps include the eager warm-up and the capture.
+    cuda_graph: bool = False
     # Presets whose GPU step time is projected from counted launches and FLOPs
     # (hope.bench.projection); each variant costs four launch counts at its chunking:
     # seconds for pilot, up to a minute for hope at mid/target (CMS period 1024).

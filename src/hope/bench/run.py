@@ -49,6 +49,7 @@ from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.report.environment import collect_environment
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
+from hope.train.graphed import WARMUP_STEPS, CapturedStep
 from hope.train.schedule import build_scheduler
 from hope.train.step import train_step
 
@@ -56,7 +57,14 @@ log = logging.getLogger("hope.bench")
 
 
 def check_bench_config(bench: BenchConfig) -> None:
+    graph_ok = not bench.cuda_graph or resolve_device(bench.device).type == "cuda"
     checks = [
+        (graph_ok, f"bench.cuda_graph=true needs a CUDA device; bench.device={bench.device}"),
+        (
+            not bench.cuda_graph or bench.warmup > WARMUP_STEPS,
+            f"bench.cuda_graph=true: bench.warmup={bench.warmup} must exceed the "
+            f"{WARMUP_STEPS} eager warm-up steps, so the capture is not timed",
+        ),
         (bench.steps >= 1, f"bench.steps must be >= 1, got {bench.steps}"),
         (bench.warmup >= 0, f"bench.warmup must be >= 0, got {bench.warmup}"),
         (bench.batch_size >= 1, f"bench.batch_size must be >= 1, got {bench.batch_size}"),
@@ -118,9 +126,17 @@ def measure_variant(cfg: Config, variant: str, shape_name: str) -> dict[str, Any
     optimizer = build_optimizer(model, optim_cfg)
     scheduler = build_scheduler(optimizer, optim_cfg, total)
 
+    def eager(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return train_step(model, optimizer, None, x, y, optim_cfg.grad_clip, amp_dtype)
+
+    run = eager
+    if bench.cuda_graph:
+        run = CapturedStep(eager, optimizer, device, knob="bench.cuda_graph")
+
     def step(i: int) -> torch.Tensor:
-        x, y = batches[i]
-        return train_step(model, optimizer, scheduler, x, y, optim_cfg.grad_clip, amp_dtype)
+        loss = run(*batches[i])
+        scheduler.step()  # outside the step: a captured step replays it
+        return loss
 
     seconds = m.time_steps(step, bench.warmup, bench.steps, device)
     # On CUDA the profiler counts the kernels of every backend; on a CPU the dispatch

@@ -39,10 +39,11 @@ FINGERPRINT_SECTIONS = ("data", "tokenizer", "model", "optim", "train")
 # Knobs that change how a run is observed, not what it computes: changing them
 # must not throw away a resumable checkpoint.
 # Knobs that do not change what is trained (a resume may change them; the world size
-# and micro-batch size change only the order of floating-point sums).
+# and micro-batch size change only the order of floating-point sums; a CUDA graph
+# replays the eager step's kernels).
 OBSERVATION_KNOBS = (
     "log_every", "checkpoint_every", "keep_checkpoints", "wandb_mode", "wandb_project",
-    "nproc_per_node", "nnodes", "parallel", "checkpoint_format",
+    "nproc_per_node", "nnodes", "parallel", "checkpoint_format", "cuda_graph",
 )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from typing import IO
 import torch
 
 from hope.errors import StageError
+from hope.train import distributed as dist_env
 
 LOCK_NAME = ".lock"
 
@@ -79,3 +80,8 @@ class NonFiniteWatch:
     def reset(self, step: int) -> None:
         self.count.zero_()
         self.verified_step = step
+
+    def total(self, env: dist_env.DistEnv) -> int:
+        """The count summed over ranks: one host read, at a log/validation/checkpoint
+        step (all ranks agree)."""
+        return int(dist_env.all_reduce_sum(self.count.clone(), env).item())

@@ -9,10 +9,12 @@ Host syncs happen only at log, validation and checkpoint steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,11 +29,11 @@ from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env
-from hope.train import state_dicts
+from hope.train import graphed, state_dicts
 from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime
 from hope.train.guard import NonFiniteWatch, RunLock
 from hope.train.logger import SilentLogger, TrainLogger, write_tsv
-from hope.train.schedule import build_scheduler
+from hope.train.schedule import build_scheduler, current_lr
 from hope.train.step import evaluate_loss, micro_slices, train_step
 
 log = logging.getLogger("hope.train")
@@ -61,6 +63,14 @@ class Trainer:
         self.by_name = cfg.train.parallel == "fsdp"  # checkpoint layout (state_dicts)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        # One optimizer step on this rank's rows (x, y); the loop steps the scheduler.
+        self.run_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = functools.partial(
+            train_step, self.model, self.optimizer, None, grad_clip=cfg.optim.grad_clip,
+            amp_dtype=self.amp_dtype, micro_batch=cfg.train.micro_batch_size, ddp=self.ddp,
+            skip_nonfinite=cfg.train.nan_policy == "skip",
+        )  # fmt: skip
+        if cfg.train.cuda_graph:  # refused off CUDA here, before any step
+            self.run_step = graphed.CapturedStep(self.run_step, self.optimizer, self.device)
         self.fingerprint = ckpt.config_fingerprint(cfg)
         # What the run reads: shards (by their manifest) and tokenizer, train and val.
         self.data_digest = hashlib.sha256(
@@ -112,6 +122,8 @@ class Trainer:
     def restore(self, payload: dict[str, Any]) -> None:
         state_dicts.load(self.model, self.optimizer, payload, self.by_name, self.plain_copy)
         self.scheduler.load_state_dict(payload["scheduler"])
+        if isinstance(self.run_step, graphed.CapturedStep):  # new tensors: capture again
+            self.run_step.reset()
         ckpt.restore_rng_state(payload["rng"])
         self.step, self.tokens_seen = int(payload["step"]), int(payload["tokens_seen"])
         self.elapsed_s = float(payload["elapsed_s"])
@@ -167,10 +179,6 @@ class Trainer:
             "%d in the run)", count, span, self.skipped, cfg.nan_max_skips,
         )  # fmt: skip
         self.watch.reset(self.step)
-
-    def nonfinite_count(self) -> int:
-        """One host read, at a log/validation/checkpoint step (all ranks agree)."""
-        return int(dist_env.all_reduce_sum(self.watch.count.clone(), self.env).item())
 
     def save(self) -> None:
         keep = self.cfg.train.keep_checkpoints
@@ -243,15 +251,11 @@ class Trainer:
             x, y = random_batch(
                 self.train_tokens, cfg.batch_size, self.cfg.data.seq_len, cfg.seed, self.step
             )
-            lr = float(self.optimizer.param_groups[0]["lr"])  # a Python float: no sync
+            lr = current_lr(self.scheduler)  # a Python float: no sync
             rows = self.env.rows(cfg.batch_size)  # this rank's rows of the global batch
-            loss = train_step(
-                self.model, self.optimizer, self.scheduler,
-                x[rows].to(self.device, non_blocking=True),
-                y[rows].to(self.device, non_blocking=True),
-                self.cfg.optim.grad_clip, self.amp_dtype,
-                micro_batch=cfg.micro_batch_size, ddp=self.ddp, skip_nonfinite=skip,
-            )  # fmt: skip
+            x, y = (t[rows].to(self.device, non_blocking=True) for t in (x, y))
+            loss = self.run_step(x, y)
+            self.scheduler.step()  # outside the step: a captured step replays it
             # A skipped step's loss is NaN: counted by the watch, not in the mean.
             self.interval_loss += loss.float().nan_to_num(0.0, 0.0, 0.0) if skip else loss.float()
             self.watch.observe(loss)
@@ -265,7 +269,7 @@ class Trainer:
             is_val = self.step % cfg.val_every == 0 or last
             is_ckpt = self.step % cfg.checkpoint_every == 0 or last
             if is_log or is_val or is_ckpt:  # verify before anything is logged or saved
-                count = self.nonfinite_count()
+                count = self.watch.total(self.env)
                 if count and skip:
                     self.on_skipped(count)
                 elif count:

@@ -29,3 +29,11 @@ def build_scheduler(
         return lr_factor(step, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def current_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> float:
+    """The first param group's learning rate for the next step, as a host float, from
+    the schedule's own state: the same value as the group's ``lr`` (LambdaLR sets it to
+    base x factor), read without touching the device, also where it lives in a device
+    tensor (``train.cuda_graph``, hope.train.graphed)."""
+    return float(scheduler.base_lrs[0]) * scheduler.lr_lambdas[0](scheduler.last_epoch)

@@ -24,7 +24,10 @@ def autocast(
 ) -> contextlib.AbstractContextManager[Any]:
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    # A CUDA graph cannot keep autocast's cache of cast weights between replays
+    # (hope.train.graphed): recast inside a capture. A host query, no sync.
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=not capturing)
 
 
 def micro_slices(rows: int, micro_batch: int | None) -> list[slice]:
@@ -37,7 +40,7 @@ def micro_slices(rows: int, micro_batch: int | None) -> list[slice]:
 def train_step(
     model: LanguageModel,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     x: torch.Tensor,
     y: torch.Tensor,
     grad_clip: float,
@@ -58,7 +61,9 @@ def train_step(
     averaged over ranks once, at the last slice. ``skip_nonfinite``: when the
     gradient norm is not finite, parameters and optimizer state stay as they were (the
     scheduler still advances) and the returned loss is NaN; decided on the device from
-    the reduced gradients, so every rank skips together.
+    the reduced gradients, so every rank skips together. ``scheduler``: stepped after
+    the optimizer; None leaves it to the caller (a captured step: the learning rate
+    must change outside the graph, ``hope.train.graphed``).
     """
     optimizer.zero_grad(set_to_none=True)
     rows = x.shape[0]
@@ -90,7 +95,8 @@ def train_step(
         total = torch.where(ok, total, torch.full_like(total, float("nan")))
     else:
         optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     return total
 
 

@@ -47,9 +47,19 @@ def _powers(
     step: Matrix, drive: tuple[float, ...], count: int, like: Tensor
 ) -> tuple[Tensor, Tensor]:
     """A^k [count + 1, P, P] and A^k b [count + 1, P] for k = 0..count, (A, b) the rule's
-    open-gate step (``rule.linear_step``). Computed on the host in double precision from
-    the rule's coefficients and copied to ``like``'s device once (no device sync, and a
-    number of launches that does not depend on ``count``)."""
+    open-gate step (``rule.linear_step``), on ``like``'s device and dtype: two launches
+    (clones of a cached device copy, so never a host read a CUDA graph cannot capture),
+    whatever ``count``."""
+    matrices, vectors = _device_powers(step, drive, count, like.device, like.dtype)
+    return matrices.clone(), vectors.clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _device_powers(
+    step: Matrix, drive: tuple[float, ...], count: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``_powers`` computed on the host in double precision and copied to ``device``
+    once; hidden from dispatch modes (a one-time cost: counts do not depend on it)."""
     size = len(drive)
     power = [[float(i == j) for j in range(size)] for i in range(size)]
     matrices, vectors = [], []
@@ -60,8 +70,12 @@ def _powers(
             [sum(step[i][m] * power[m][j] for m in range(size)) for j in range(size)]
             for i in range(size)
         ]
-    host = (torch.tensor(matrices, dtype=torch.float64), torch.tensor(vectors, dtype=torch.float64))
-    m, v = (t.to(like.device, like.dtype, non_blocking=True) for t in host)
+    with _disable_current_modes():
+        host = (
+            torch.tensor(matrices, dtype=torch.float64),
+            torch.tensor(vectors, dtype=torch.float64),
+        )
+        m, v = (t.to(device, dtype, copy=True) for t in host)
     return m, v
 
 
@@ -141,12 +155,15 @@ def level_coefficients(
     coefficients are the same for every sample and depend only on the rule and the
     counts: they are computed on the host for one sample (float64) and reach the device
     in one copy, expanded over the batch, instead of ~20 small launches per level per
-    call. Same values: the gather and the 0/1 masks are exact."""
+    call. Same values: the gather and the 0/1 masks are exact.
+
+    The device copy is cached too (``_device_table``): after a first call for a shape,
+    a call copies nothing from the host, so a CUDA graph can capture it (a pageable
+    host-to-device copy cannot be captured; ``hope.train.graphed``)."""
     if gates is not None:
         return linear_coefficients(rule, gates, n_fire, n_rows, batch, like)
-    packed, shapes = _ungated_table(*_step_of(rule), n_fire, n_rows)
-    # copy=True: the cached table is never handed out (a float64 CPU model would alias it)
-    packed = packed.to(like.device, like.dtype, non_blocking=True, copy=True)
+    table, shapes = _device_table(*_step_of(rule), n_fire, n_rows, like.device, like.dtype)
+    packed = table.clone()  # the cached table is never handed out, so never written
     sizes = [math.prod(shape) for shape in shapes]
     views = [
         flat.view(1, *shape).expand(batch, *shape)
@@ -171,6 +188,22 @@ def _ungated_table(
         ]
         packed = torch.cat([p.flatten() for p in parts])
     return packed, tuple(tuple(p.shape[1:]) for p in parts)
+
+
+@functools.lru_cache(maxsize=64)  # levels x (train, eval) lengths x devices x dtypes
+def _device_table(
+    step: Matrix,
+    drive: tuple[float, ...],
+    n_fire: int,
+    n_rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Tensor, tuple[tuple[int, ...], ...]]:
+    """``_ungated_table`` on ``device`` in ``dtype``, copied there once. The upload is a
+    one-time cost like the host computation, hidden from dispatch modes alike."""
+    packed, shapes = _ungated_table(step, drive, n_fire, n_rows)
+    with _disable_current_modes():
+        return packed.to(device, dtype, copy=True), shapes
 
 
 def _carried(
