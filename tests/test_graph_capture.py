@@ -104,9 +104,14 @@ def test_a_training_step_reads_no_host_tensor(
         ("model.surprise_threshold=0.5",),  # gated CMS writes: the per-sample device form
         ("model.cms_mode=exact_online", "model.cms_rule=momentum", "model.cms_momentum=0.9"),
         ("model.smt_momentum=0.9", "model.smt_precondition=false"),
+        ("model.smt_chunk=4", "model.smt_read_chunk=2"),  # frozen-base reads
+        ("model.checkpoint_blocks=true", "model.smt_checkpoint_chunks=1"),
+        ("model.variant=titans_mac", "model.titans_checkpoint_chunks=1"),
+        ("model.variant=titans_lmm", "model.titans_depth=3"),
     ],
 )
-def test_hope_options_read_no_host_tensor(extra: tuple[str, ...]) -> None:
+def test_options_read_no_host_tensor(extra: tuple[str, ...]) -> None:
+    """Other mechanisms and recomputation: still no host tensor in a step."""
     model = small_model("model.variant=hope", *extra, device=META)
     tokens = torch.zeros(2, 17, dtype=torch.long, device=META)
     assert audited_step(model, tokens) == []
@@ -162,11 +167,15 @@ def step_traces(variant: str, replayable: bool) -> str | None:
     return audits[2].differs_from(audits[1])
 
 
+@pytest.mark.parametrize("memory_backend", ["torch", "fused"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_consecutive_training_steps_dispatch_the_same_ops(variant: str) -> None:
+def test_consecutive_training_steps_dispatch_the_same_ops(
+    variant: str, memory_backend: str, backend: None
+) -> None:
     """Forward, backward, clipping and the prepared AdamW step of every variant: two
     consecutive steps (other batches, other learning rates) dispatch the same ops with
     the same shapes and arguments, so a captured step replays any later one."""
+    set_default_backend(memory_backend)
     assert step_traces(variant, replayable=True) is None
 
 

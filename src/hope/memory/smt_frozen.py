@@ -25,12 +25,14 @@ write); in teach pass A a read keeps the paths from tokens of its own piece only
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hope.memory.config import SMTConfig
 from hope.memory.ops.dispatch import dgd_write
@@ -106,9 +108,18 @@ def _piece_runs(lo: int, hi: int, pieces: PieceGrid, at: int) -> list[tuple[int,
 
 
 def _on_device(values: list[int] | list[bool], device: torch.device) -> Tensor:
-    """A small constant tensor on ``device``, copied without waiting for the device
-    (``torch.tensor(..., device=cuda)`` would synchronise the step's stream)."""
-    return torch.tensor(values).to(device, non_blocking=True)
+    """A small constant tensor on ``device``, read only: uploaded once per (values,
+    device) and cached, so a step reads no host tensor (a CUDA graph can capture it,
+    hope.train.graphed). The upload is copied without waiting for the device
+    (``torch.tensor(..., device=cuda)`` would synchronise the step's stream) and is a
+    one-time cost, hidden from dispatch modes (launch counts do not depend on it)."""
+    return _device_constant(tuple(values), device)
+
+
+@functools.lru_cache(maxsize=256)  # span layouts x devices: a few per shape
+def _device_constant(values: tuple[int | bool, ...], device: torch.device) -> Tensor:
+    with _disable_current_modes():
+        return torch.tensor(values).to(device, non_blocking=True)
 
 
 def _prefix_gates(eta: Tensor, alpha: Tensor, bounds: list[int]) -> tuple[Tensor, Tensor]:
