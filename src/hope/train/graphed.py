@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -60,16 +61,20 @@ class HostTensorAudit(TorchDispatchMode):
       not: copied in, it is an upload a capture cannot hold; computed on, it is work a
       replay would not redo. On the meta device a CPU checks a whole step without
       running it.
-    - ``trace``: each op with its tensors' shapes, dtypes and devices and its other
-      arguments. A replay repeats the captured step's trace; a step whose trace
-      differs from the step before (a learning rate passed as a number, a branch on a
-      Python counter) would be replayed wrongly (``differs_from``)."""
+    - ``trace``: a hash of each op with its tensors' shapes, dtypes and devices and its
+      other arguments. A replay repeats the captured step's trace; a step whose trace
+      differs from ``before``'s (the audit of the step before: a learning rate passed
+      as a number, a branch on a Python counter) would be replayed wrongly:
+      ``departure`` says where, naming the first op that differs. Hashes, not the
+      descriptions, are kept: a paper-scale step dispatches millions of ops."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, before: HostTensorAudit | None = None) -> None:
         super().__init__()
         self.host_check = device.type != "cpu"
         self.found: list[str] = []
-        self.trace: list[str] = []
+        self.trace = array("q")
+        self.before = None if before is None else before.trace
+        self.departs: str | None = None
 
     def __torch_dispatch__(
         self,
@@ -80,7 +85,18 @@ class HostTensorAudit(TorchDispatchMode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         described = ", ".join(map(_describe, pytree.tree_leaves((args, kwargs))))
-        self.trace.append(f"{func}({described})")
+        signature = f"{func}({described})"
+        index = len(self.trace)
+        self.trace.append(hash(signature))
+        before = self.before
+        if (
+            before is not None
+            and self.departs is None
+            and before[index : index + 1] != self.trace[-1:]
+        ):
+            self.departs = (
+                f"op {index}, {signature} at {_call_site()}, differs from the step before"
+            )
         if self.host_check and any(
             isinstance(t, Tensor) and t.device.type == "cpu"
             for t in pytree.tree_leaves((args, kwargs, out))
@@ -98,14 +114,12 @@ class HostTensorAudit(TorchDispatchMode):
                 f"outside the step, or set {what}=false"
             )
 
-    def differs_from(self, before: HostTensorAudit) -> str | None:
-        """Where this step's trace first departs from ``before``'s, or None."""
-        for index, (mine, theirs) in enumerate(zip(self.trace, before.trace, strict=False)):
-            if mine != theirs:
-                return f"op {index}: {theirs} became {mine}"
-        if len(self.trace) != len(before.trace):
-            return f"{len(before.trace)} ops became {len(self.trace)}"
-        return None
+    def departure(self) -> str | None:
+        """Where this step's trace first departs from the step before's (after the
+        step), or None: the same ops with the same arguments."""
+        if self.departs is None and self.before is not None and self.before != self.trace:
+            return f"{len(self.before)} ops became {len(self.trace)}"
+        return self.departs
 
 
 def _describe(leaf: Any) -> str:
@@ -213,13 +227,14 @@ class CapturedStep:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(main)
         audited = self.warmed >= self.warmup - 2
-        auditor = HostTensorAudit(self.device) if audited else None
+        before = self.audits[-1] if self.audits else None
+        auditor = HostTensorAudit(self.device, before) if audited else None
         with torch.cuda.stream(side), auditor or contextlib.nullcontext():
             loss = self.step(x, y)
         main.wait_stream(side)
         if auditor is not None:
             auditor.check(self.knob)
-            departs = auditor.differs_from(self.audits[-1]) if self.audits else None
+            departs = auditor.departure()
             if departs is not None:
                 raise StageError(
                     f"{self.knob}: two consecutive steps dispatch different ops ({departs}); "
