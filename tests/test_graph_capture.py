@@ -117,6 +117,24 @@ def test_options_read_no_host_tensor(extra: tuple[str, ...]) -> None:
     assert audited_step(model, tokens) == []
 
 
+def test_recomputation_stashes_no_rng_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpointed blocks and chunk loops keep no RNG state to replay (no op draws
+    random numbers): reading the CUDA generator's state cannot be captured."""
+
+    def refuse() -> Tensor:
+        raise AssertionError("a checkpoint stashed the RNG state")
+
+    monkeypatch.setattr(torch, "get_rng_state", refuse)
+    for extra in (
+        ("model.variant=hope", "model.checkpoint_blocks=true", "model.smt_checkpoint_chunks=1"),
+        ("model.variant=titans_mac", "model.titans_checkpoint_chunks=1"),
+    ):
+        model = small_model(*extra)
+        tokens = torch.randint(0, TINY_VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+        model.training_loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 class Uploads(nn.Module):
     """Adds a host constant to its input inside forward: an upload per step."""
 

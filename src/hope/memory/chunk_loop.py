@@ -108,9 +108,11 @@ def run_chunks(
         return _segment(step, policy, pieces, carry, chunks)
     reads: list[Tensor] = []
     for first in range(0, len(chunks), span):
+        # No RNG to replay (no op of a memory step draws random numbers); stashing
+        # it would read the CUDA generator's state, which a CUDA graph cannot capture.
         carry, out = checkpoint(
             _segment, step, policy, pieces, carry, chunks[first : first + span],
-            use_reentrant=False,
+            use_reentrant=False, preserve_rng_state=False,
         )  # fmt: skip
         reads += out
     return carry, reads

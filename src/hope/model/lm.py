@@ -166,9 +166,11 @@ class LanguageModel(nn.Module):
     def run_block(self, fn: Callable[..., _Out], *args: Any) -> _Out:
         """``fn(*args)``: one block's work. With ``model.checkpoint_blocks`` in training
         (grad enabled, train mode) only its inputs are kept for backward, which reruns
-        it (``torch.utils.checkpoint``, non-reentrant: autocast and RNG replayed)."""
+        it (``torch.utils.checkpoint``, non-reentrant: autocast replayed). No op of a
+        block draws random numbers, so no RNG state is stashed: reading the CUDA
+        generator's state is what a CUDA graph cannot capture (``train.cuda_graph``)."""
         if self.cfg.checkpoint_blocks and self.training and torch.is_grad_enabled():
-            return cast(_Out, checkpoint(fn, *args, use_reentrant=False))
+            return cast(_Out, checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False))
         return fn(*args)
 
     @property
