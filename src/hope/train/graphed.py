@@ -13,7 +13,8 @@ How (PyTorch's whole-network capture, forward, backward, clipping and optimizer 
   host tensor inside the step (a pageable upload cannot be captured; a host tensor's
   value would be frozen into the graph), or two steps that dispatch different ops or
   arguments (a replay repeats one of them), stop the run naming the op and its source
-  line, before capture instead of as a capture error or wrong numbers.
+  line, before capture instead of as a capture error or wrong numbers. The last one
+  runs under CUDA's sync debug mode too: a host sync stops the run likewise.
 - The next step is captured once on static input buffers and replayed for it and
   every later batch, copied into those buffers: the same kernels in the same order,
   so the same values as the eager step.
@@ -229,8 +230,9 @@ class CapturedStep:
         audited = self.warmed >= self.warmup - 2
         before = self.audits[-1] if self.audits else None
         auditor = HostTensorAudit(self.device, before) if audited else None
+        last = self.warmed == self.warmup - 1  # lazy set-up (autotuning, compiling) done
         with torch.cuda.stream(side), auditor or contextlib.nullcontext():
-            loss = self.step(x, y)
+            loss = self._sync_free(x, y) if last else self.step(x, y)
         main.wait_stream(side)
         if auditor is not None:
             auditor.check(self.knob)
@@ -244,6 +246,23 @@ class CapturedStep:
             self.audits = [auditor]
         self.warmed += 1
         return loss
+
+    def _sync_free(self, x: Tensor, y: Tensor) -> Tensor:
+        """The step under CUDA's sync debug mode: a host sync (a capture cannot wait for
+        the host) stops the run naming it, instead of failing inside the capture."""
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return self.step(x, y)
+        except RuntimeError as err:
+            if "synchroniz" not in str(err):
+                raise
+            raise StageError(
+                f"{self.knob}: the step waits for the device ({err}); a CUDA graph cannot "
+                f"capture that. Keep the value on the device, or set {self.knob}=false"
+            ) from err
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
 
     def _capture(self, x: Tensor, y: Tensor) -> None:
         inputs = (x.clone(), y.clone())
