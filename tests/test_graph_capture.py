@@ -68,21 +68,17 @@ def small_model(*extra: str, device: torch.device | None = None) -> LanguageMode
 
 def audited_step(model: LanguageModel, tokens: Tensor) -> list[str]:
     """One warm-up forward/backward, then one under the audit (as CapturedStep does)."""
-    found: list[str] = []
-    for audit in (False, True):
-        auditor = HostTensorAudit(tokens.device)
-        if audit:
-            auditor.__enter__()
-        try:
-            model.zero_grad(set_to_none=True)
-            model.training_loss(tokens[:, :-1], tokens[:, 1:]).backward()
-            params = [p for p in model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        finally:
-            if audit:
-                auditor.__exit__(None, None, None)
-                found = auditor.found
-    return found
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model.training_loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    step()
+    with HostTensorAudit(tokens.device) as audit:
+        step()
+    return audit.found
 
 
 @pytest.mark.parametrize("memory_backend", ["torch", "fused"])
