@@ -31,7 +31,7 @@ from hope.memory.ops.dispatch import resolve_backend, set_default_backend
 from hope.model.lm import LanguageModel
 from hope.model.zoo import VARIANTS, build_model
 from hope.optim.outer import build_optimizer
-from hope.train.device import setup_runtime
+from hope.train.device import setup_runtime, upload
 from hope.train.graphed import WARMUP_STEPS, CapturedStep, HostTensorAudit, prepare_optimizer
 from hope.train.loop import run_training
 from hope.train.schedule import build_scheduler, current_lr
@@ -344,3 +344,26 @@ def test_the_bench_refuses_graph_mode_off_cuda_and_a_timed_capture() -> None:
         cfg = hope.load_config(None, ["bench.cuda_graph=true", "bench.device=cuda"])
         with pytest.raises(ConfigError, match="bench.warmup=2 must exceed the 3"):
             check_bench_config(cfg.bench)
+
+
+def test_a_batch_stays_as_it_is_on_the_cpu() -> None:
+    batch = torch.arange(6).view(2, 3)
+    assert upload(batch, CPU) is batch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_batch_reaches_the_device_from_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training loop's upload on CUDA goes through pinned memory (a pageable copy
+    may wait for the stream: a hidden sync per step)."""
+    batch = torch.arange(6).view(2, 3)
+    pinned: list[bool] = []
+    pin = torch.Tensor.pin_memory
+
+    def spy(self: Tensor, *args: Any) -> Tensor:
+        out = pin(self, *args)
+        pinned.append(out.is_pinned())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", spy)
+    got = upload(batch, torch.device("cuda"))
+    assert pinned == [True] and torch.equal(got.cpu(), batch)

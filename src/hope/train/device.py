@@ -65,6 +65,17 @@ def configure_numerics(cfg: TrainConfig, device: torch.device) -> None:
     torch.use_deterministic_algorithms(cfg.deterministic)
 
 
+def upload(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch on ``device`` without the host waiting for the device. On CUDA from
+    pinned memory: a copy from pageable memory is staged by the driver, which may wait
+    for the stream's earlier work (CUDA runtime API, "API synchronization behavior"),
+    a hidden sync per step that keeps the host from running ahead (under
+    ``train.cuda_graph`` it would wait for each replay to finish)."""
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
 def runtime_record(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     """The resolved numerics of this process, for the reports (train.json, eval.json)."""
     amp = autocast_dtype(device, cfg.precision)

@@ -30,7 +30,7 @@ from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env
 from hope.train import graphed, state_dicts
-from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime
+from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime, upload
 from hope.train.guard import NonFiniteWatch, RunLock
 from hope.train.logger import SilentLogger, TrainLogger, write_tsv
 from hope.train.schedule import build_scheduler, current_lr
@@ -253,7 +253,7 @@ class Trainer:
             )
             lr = current_lr(self.scheduler)  # a Python float: no sync
             rows = self.env.rows(cfg.batch_size)  # this rank's rows of the global batch
-            x, y = (t[rows].to(self.device, non_blocking=True) for t in (x, y))
+            x, y = (upload(t[rows], self.device) for t in (x, y))
             loss = self.run_step(x, y)
             self.scheduler.step()  # outside the step: a captured step replays it
             # A skipped step's loss is NaN: counted by the watch, not in the mean.
