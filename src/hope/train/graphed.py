@@ -207,6 +207,11 @@ class CapturedStep:
         if self.graph is None or self.inputs is None or self.loss is None:
             self._capture(x, y)
         else:
+            if (x.shape, y.shape) != (self.inputs[0].shape, self.inputs[1].shape):
+                raise ValueError(
+                    f"{self.knob}: the step was captured for batches of "
+                    f"{tuple(self.inputs[0].shape)}, got {tuple(x.shape)}"
+                )
             self.inputs[0].copy_(x)
             self.inputs[1].copy_(y)
         assert self.graph is not None and self.loss is not None
@@ -223,7 +228,7 @@ class CapturedStep:
 
     def _eager(self, x: Tensor, y: Tensor) -> Tensor:
         """One warm-up step on a side stream; the last two are audited: no host tensor
-        in the last, and the same trace in both (so replaying it repeats the step)."""
+        in either, and the same trace in both (so replaying it repeats the step)."""
         main = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(main)
