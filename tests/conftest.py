@@ -85,6 +85,18 @@ def _one_thread_per_worker() -> Iterator[None]:
 CLASSIC_SHELL = ("model.final_norm=true", "model.embed_init_std=null")
 
 TINY_VOCAB = 64
+# The mechanism tests' shape: two layers of dim 16, CMS periods 4/8, SMT chunks 2/4,
+# Titans chunk 4 (``tiny_lm``; tests/test_graph_capture.py).
+TINY_SHAPE = (
+    "model.dim=16",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    f"tokenizer.vocab_size={TINY_VOCAB}",
+    "model.cms_periods=[4, 8]",
+    "model.smt_chunk=2",
+    "model.smt_mem_chunk=4",
+    "model.titans_chunk=4",
+)
 
 
 @pytest.fixture
@@ -113,14 +125,7 @@ def tiny_lm(variant: str = "hope", *extra: str, seed: int = 0) -> LanguageModel:
         None,
         [
             f"model.variant={variant}",
-            "model.dim=16",
-            "model.n_layers=2",
-            "model.n_heads=2",
-            f"tokenizer.vocab_size={TINY_VOCAB}",
-            "model.cms_periods=[4, 8]",
-            "model.smt_chunk=2",
-            "model.smt_mem_chunk=4",
-            "model.titans_chunk=4",
+            *TINY_SHAPE,
             "model.cms_lr=1.0",
             "model.smt_eta_scale=0.05",
             "model.smt_retention_init=0.9",

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 import hope
-from conftest import TINY_VOCAB
+from conftest import TINY_SHAPE, TINY_VOCAB
 from hope.bench.run import check_bench_config
 from hope.config import OptimConfig, TrainConfig
 from hope.data.shards import ShardedTokens
@@ -39,17 +39,7 @@ from hope.train.step import train_step
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
-SMALL = [
-    "model.dim=16",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    f"tokenizer.vocab_size={TINY_VOCAB}",
-    "model.cms_periods=[4, 8]",
-    "model.smt_chunk=2",
-    "model.smt_mem_chunk=4",
-    "model.titans_chunk=4",
-    "model.titans_window=8",
-]
+SMALL = [*TINY_SHAPE, "model.titans_window=8"]  # default inner rates, float32
 
 
 @pytest.fixture
