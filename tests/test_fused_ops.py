@@ -28,6 +28,7 @@ from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.chunk_rates import chunk_rates_reference
 from hope.memory.ops.cms_factor_scan import cms_factor_scan, cms_factor_scan_reference
 from hope.memory.ops.end_weights import chunk_end_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
@@ -37,7 +38,13 @@ from hope.memory.ops.memory_apply import memory_apply
 from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.ops.smt_step import smt_step
 from hope.memory.ops.smt_write import smt_write
-from hope.memory.residual_mlp import FastWeights, chunk_pass, mlp_apply, stacked_apply
+from hope.memory.residual_mlp import (
+    FastWeights,
+    chunk_pass,
+    mlp_apply,
+    overshoot_ratio,
+    stacked_apply,
+)
 from hope.memory.smt import SelfModifyingTitans
 from hope.model.config import ModelConfig
 from hope.train.device import setup_runtime
@@ -529,9 +536,9 @@ def test_fused_cms_factor_scan_is_one_launch_with_the_reference_values() -> None
         cms_factor_scan(pre_0, back_0, key, teach, 3)
 
 
-def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
-    """The bound rho alone (Titans' cap) and the SMT's bounded step eta / (1 + rho) with
-    its gradient (rho not differentiated): one launch each way under ``fused``."""
+def test_fused_bounded_step_is_one_launch_each_way_and_the_same_value() -> None:
+    """The SMT's bounded step eta / (1 + rho) with its gradient (rho not differentiated):
+    one launch each way under ``fused``."""
     gen = torch.Generator().manual_seed(0)
     act = torch.randn(2, 3, 12, 8, generator=gen, dtype=DT)
     kernel = (act @ act.transpose(-1, -2)).abs()
@@ -540,18 +547,64 @@ def test_fused_overshoot_bound_is_one_launch_and_the_same_value() -> None:
     counts, values = {}, {}
     for backend in ("fused", "torch"):
         with LaunchCounter() as counter:
-            rho = dispatch.overshoot(kernel, step, backend)
             bounded = dispatch.bounded_step(kernel, step, backend)
         with LaunchCounter() as backward:
             (grad,) = torch.autograd.grad(bounded, step, probe)
-        values[backend] = (rho, bounded, grad)
+        values[backend] = (bounded, grad)
         counts[backend] = (counter.count, backward.count)
     for got, want in zip(values["fused"], values["torch"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
-    rho = values["torch"][0]
+    rho = overshoot_ratio(kernel, step.detach())
     assert rho.shape == (2, 3) and bool((rho > 0.5).all())  # the bound binds here
-    torch.testing.assert_close(values["torch"][2], probe / (1.0 + rho.unsqueeze(-1)))
-    assert counts["fused"] == (2, 1) and counts["torch"][0] > 40, counts
+    torch.testing.assert_close(values["torch"][1], probe / (1.0 + rho.unsqueeze(-1)))
+    assert counts["fused"] == (1, 1) and counts["torch"][0] > 20, counts
+
+
+def _titans_chunk(chunk: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A Titans chunk's gates as the strided views the memory takes ([B, T, 3H] rows,
+    transposed and split), a curvature bound with entries below 1 (clamped) and a
+    kernel bound large enough that the cap binds."""
+    gen = torch.Generator().manual_seed(chunk)
+    low, span = torch.tensor([0.05] * 3 + [0.5] * 3 + [0.0] * 3), torch.tensor([0.9] * 9)
+    gates = (low + span * torch.rand(2, chunk, 9, generator=gen, dtype=DT)).requires_grad_()
+    theta, eta, alpha = gates.transpose(1, 2).split(3, dim=1)
+    curvature = (torch.rand(2, 3, chunk, generator=gen, dtype=DT) * 40).requires_grad_()
+    act = torch.randn(2, 3, chunk, 24, generator=gen, dtype=DT)
+    coupling = (act @ act.transpose(-1, -2)).abs()
+    return gates, (theta, eta, alpha, curvature, coupling)
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+def test_fused_chunk_rates_equal_the_torch_forms_with_gradients_in_one_launch_each_way(
+    chunk: int,
+) -> None:
+    """``chunk_rates`` under ``fused`` (``hope::titans_chunk_rates``) against the same
+    function's PyTorch ops differentiated by autograd: keep, the end weights and the
+    capped rates, and the gradients of the gates and the curvature, with every output
+    used and with only the rates used; one launch each way instead of ~20."""
+    gates, inputs = _titans_chunk(chunk)
+    curvature = inputs[3]
+    gen = torch.Generator().manual_seed(100 + chunk)
+    probes = [torch.randn(2, 3, chunk, generator=gen, dtype=DT) for _ in range(3)]
+    counts, values = {}, {}
+    for backend in ("fused", "torch"):
+        with LaunchCounter() as forward:
+            outs = dispatch.chunk_rates(*inputs, backend=backend)
+        with LaunchCounter() as backward:
+            grads = torch.autograd.grad(outs, (gates, curvature), probes, retain_graph=True)
+        rates_only = torch.autograd.grad(outs[2], (gates, curvature), probes[2])
+        values[backend] = (*outs, *grads, *rates_only)
+        counts[backend] = (forward.count, backward.count)
+    for got, want in zip(values["fused"], values["torch"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    cap = chunk_rates_reference(*inputs)[2] * curvature.clamp_min(1.0) / inputs[0]
+    d_curvature = values["torch"][4]
+    if chunk > 1:  # the cap binds, and a clamped curvature has no gradient
+        assert cap.max() < 0.5 and bool((d_curvature[curvature < 1] == 0).all())
+        assert bool((curvature < 1).any()) and d_curvature.abs().max() > 1e-3
+    # The operator each way, then the split and transpose assembling the gates' gradient.
+    assert counts["fused"][0] == 1 and counts["fused"][1] <= 3, counts
+    assert counts["torch"][0] >= 10 and counts["torch"][1] >= 10, counts
 
 
 def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -699,7 +752,7 @@ def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, flo
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 196) -> None:
+def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 206) -> None:
     assert len(errors) == count
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
@@ -728,10 +781,10 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
     kernels = json.loads(out.stdout.strip().splitlines()[-1])
     expected = {
         "_dgd_chunk_fwd", "_dgd_chunk_bwd", "_momentum_fwd", "_momentum_bwd", "_normalize",
-        "_overshoot", "_memory_pass_fwd", "_memory_pass_bwd", "_memory_apply_fwd",
-        "_memory_apply_bwd", "_generation_fwd", "_generation_bwd", "_smt_write_fwd",
-        "_smt_write_bwd", "_smt_step_fwd", "_smt_step_bwd", "_cms_scan", "_end_weights",
-        "_rms_norm", "_rotary",
+        "_bounded_step", "_chunk_rates", "_memory_pass_fwd", "_memory_pass_bwd",
+        "_memory_apply_fwd", "_memory_apply_bwd", "_generation_fwd", "_generation_bwd",
+        "_smt_write_fwd", "_smt_write_bwd", "_smt_step_fwd", "_smt_step_bwd", "_cms_scan",
+        "_end_weights", "_rms_norm", "_rotary",
     }  # fmt: skip
     assert set(kernels) == expected
     for name, info in kernels.items():
@@ -742,4 +795,4 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
     # float32 only: what training runs, and half the kernels to compile (the interpreter
     # covers float64), so gpu_check's parity part stays within its limit.
-    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=98)
+    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=103)

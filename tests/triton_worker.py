@@ -13,6 +13,7 @@ import torch
 
 from hope.layers import rotary_tables
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.chunk_rates import chunk_rates_backward_reference, chunk_rates_reference
 from hope.memory.ops.cms_factor_scan import cms_factor_scan_reference
 from hope.memory.ops.end_weights import chunk_end_weights_backward_reference
 from hope.memory.ops.fused import dgd_chunk_backward_reference, momentum_chunk_backward_reference
@@ -28,6 +29,10 @@ from hope.memory.ops.rotary import rotary_reference
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
+from hope.memory.ops.triton_chunk_rates import (
+    titans_chunk_rates_backward_triton,
+    titans_chunk_rates_triton,
+)
 from hope.memory.ops.triton_cms import cms_factor_scan_triton
 from hope.memory.ops.triton_end_weights import (
     chunk_end_weights_backward_triton,
@@ -43,7 +48,6 @@ from hope.memory.ops.triton_kernels import (
     dgd_chunk_triton,
     l2_normalize_backward_triton,
     l2_normalize_triton,
-    overshoot_ratio_triton,
 )
 from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, momentum_chunk_triton
 from hope.memory.ops.triton_norm import rms_norm_backward_triton, rms_norm_triton
@@ -457,6 +461,40 @@ def end_weights_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+def chunk_rates_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::titans_chunk_rates`` both ways, every argument a strided view (the gates
+    [B, T, 3H] transposed, the kernel bound transposed), against the PyTorch forms: one
+    token, a padded chunk, the pilot chunk; the backward with every gradient and with
+    only the rates' (the others absent). The kernel bound is large enough that the cap
+    binds, and some curvatures are below 1 (clamped: no gradient)."""
+    errors = {}
+    for c in (1, 20, 64):
+        gen = torch.Generator().manual_seed(c + 5)
+        # theta in (0.05, 0.95); eta and keep = 1 - alpha as in ``end_weights_errors``
+        low = torch.tensor([0.05] * 3 + [0.5] * 3 + [0.0] * 3)
+        span = torch.tensor([0.9] * 3 + [0.45] * 3 + [0.4] * 3)
+        gates = low + span * torch.rand(2, c, 9, generator=gen, dtype=torch.float64)
+        theta, eta, alpha = gates.to(device, dtype).transpose(1, 2).split(3, dim=1)
+        act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)
+        coupling = (act @ act.transpose(-1, -2)).abs().to(device, dtype).transpose(-1, -2)
+        curvature = (torch.rand(2, 3, c, generator=gen, dtype=torch.float64) * 40).to(device, dtype)
+        inputs = (theta, eta, alpha, curvature, coupling)
+        grads = [torch.randn(2, 3, c, generator=gen, dtype=torch.float64).to(device, dtype)
+                 for _ in range(3)]  # fmt: skip
+        name = f"chunk_rates_{str(dtype).removeprefix('torch.')}_C{c}"
+        want = chunk_rates_reference(*inputs)
+        errors[f"{name}_forward"] = worst(titans_chunk_rates_triton(*inputs), want)
+        errors[f"{name}_backward"] = worst(
+            titans_chunk_rates_backward_triton(inputs, *grads),
+            chunk_rates_backward_reference(inputs, *grads),
+        )
+        errors[f"{name}_backward_rates_only"] = worst(
+            titans_chunk_rates_backward_triton(inputs, None, None, grads[2]),
+            chunk_rates_backward_reference(inputs, None, None, grads[2]),
+        )
+    return errors
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -493,6 +531,7 @@ def main(
         errors |= step_errors(dtype, device)
         errors |= cms_scan_errors(dtype, device)
         errors |= end_weights_errors(dtype, device)
+        errors |= chunk_rates_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)
@@ -500,11 +539,9 @@ def main(
             step = torch.rand(2, 3, c, generator=gen, dtype=torch.float64) * 0.1
             step[..., ::3] = 0.0  # tokens that do not write
             step = step.to(device, dtype)
-            name = f"overshoot_{str(dtype).removeprefix('torch.')}_C{c}"
-            got, want = overshoot_ratio_triton(kernel, step), overshoot_ratio(kernel, step)
-            errors[name] = worst((got,), (want,))
-            bounded = (step / (1.0 + want.unsqueeze(-1)), 1.0 / (1.0 + want))
-            errors[name.replace("overshoot", "bounded")] = worst(
+            rho = overshoot_ratio(kernel, step)
+            bounded = (step / (1.0 + rho.unsqueeze(-1)), 1.0 / (1.0 + rho))
+            errors[f"bounded_{str(dtype).removeprefix('torch.')}_C{c}"] = worst(
                 bounded_step_triton(kernel, step), bounded
             )
     return errors

@@ -7,7 +7,7 @@ hidden widths h. The inner loss ||M(k) − v||² (Ti eq. 12) has, per token, the
 rank-1 gradients ∂ℓ_t/∂W_l = e_t^l (h_t^{l−1})ᵀ: e^L = 2(M(k) − v) and
 e^{l} = (e^{l+1} W_{l+1}) ⊙ σ′(W_l h^{l−1}), h^0 = k, h^l = σ(W_l h^{l−1}).
 
-Step bounds (the stabiliser of ``titans_memory.chunk_step_cap``, for any depth):
+Step bounds (the stabiliser of ``ops.chunk_rates.chunk_step_cap``, for any depth):
 J_t J_sᵀ = Σ_l (h_t^{l−1}·h_s^{l−1}) B_t^l B_s^{lᵀ} with B^l = ∂M/∂(W_l h^{l−1});
 B^L = I and B^l = B^{l+1} W_{l+1} diag(σ′(W_l h^{l−1})), so ||B_t^l|| ≤ n_t^l with
 n^L = 1 and n_t^l = n_t^{l+1} ||W_{l+1} diag(σ′_t)||_F. Hence

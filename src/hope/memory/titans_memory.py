@@ -11,7 +11,7 @@ with data-dependent gates eta, alpha = sigmoid(linear(x)) per head and token.
 Deviation (stabiliser): theta_t = theta_max sigmoid(linear(x_t)) / max(1, lambda_t),
 lambda_t >= the Gauss-Newton curvature of the memory at k_t and theta_max per chunk
 from the coupling of the chunk's keys and hidden activations, so a chunk of C stale
-gradients never overshoots (``chunk_step_cap``).
+gradients never overshoots (``ops/chunk_rates.py``: ``chunk_step_cap``).
 Chunked training (Ti eqs. 16-18): every gradient of a chunk of
 ``titans_chunk`` tokens is taken at the chunk-start weights; momentum and decay
 across its tokens are applied in closed form (``ops/chunk.py``).
@@ -49,10 +49,9 @@ from hope.memory.deep_mlp import (
 )
 from hope.memory.fast_state import where_samples
 from hope.memory.ops.dispatch import (
+    chunk_rates,
     compiled,
-    end_weights_of,
     momentum_write,
-    overshoot,
     resolve_backend,
     unit_rows,
 )
@@ -65,40 +64,9 @@ from hope.memory.residual_mlp import (
 )
 
 # Gate values at init (the paper gives none): theta at half its cap (a
-# fraction of ``chunk_step_cap``), a long surprise momentum eta ~ 0.9 and a slow
+# fraction of ``ops.chunk_rates.chunk_step_cap``), a long surprise momentum eta ~ 0.9 and a slow
 # forgetting alpha ~ 0.005 per token.
 _GATE_INIT = {"theta": 0.5, "eta": 0.9, "alpha": 0.005}
-
-
-def chunk_step_cap(kernel: Tensor, end_weights: Tensor, backend: str | None = None) -> Tensor:
-    """Cap theta_max [B, H, 1] of a chunk's inner steps theta_s = theta_max sigma_s / lambda_s.
-
-    A deviation (docs/FAITHFULNESS.md): the paper's theta_t is an unbounded
-    data-dependent learning rate; this cap only binds where a chunk's steps couple.
-
-    Chunked training (Ti eq. 16) takes all C gradients of a chunk at the chunk-start
-    weights; with momentum (Ti eq. 18) token s's step reaches the chunk-end weights
-    with weight w_s (``end_weights``: ``momentum_chunk_weights``, about 1/(1 - eta)).
-    Linearised, the write moves the predictions at the chunk's keys by
-    -2 theta_max J C J^T e with C = diag(sigma_s w_s / lambda_s): it cannot overshoot
-    (no error grows) while 2 theta_max ||C^1/2 (J J^T) C^1/2|| <= 1. The kernel
-    J_t J_s^T is bounded entrywise by ``chunk_kernel_bound`` K >= 0 (``kernel``
-    [B, H, C, C]; any memory depth), whose spectral norm bounds that of the block
-    kernel; with sigma <= 1 that gives theta_max = 1 / max(1, rho),
-    rho = 2 ||diag(sqrt(w/lambda)) K diag(sqrt(w/lambda))||_2 (``perron_bound``).
-
-    Tight only when it must be: keys sharing one direction (MAC writes attention
-    outputs, nearly constant within a segment) give rho ~ C w, the worst case; spread
-    keys give a far smaller rho. A stabiliser, so the outer gradient treats it as a
-    constant (like gradient clipping). Before any cap (theta = sigmoid ~ 0.05,
-    unnormalised, C = 16) titans_mac was NaN after 80 tokens; the fixed worst-case
-    cap 1 / (C (C + 1)) that followed lowered the inner loss of a written chunk by
-    only 0.3% at the pilot chunk C = 64.
-    """
-    kernel, end_weights = kernel.detach(), end_weights.detach()  # [B, H, C, C], [B, H, C]
-    curvature = kernel.diagonal(dim1=-2, dim2=-1).clamp_min(1.0)
-    rho = overshoot(kernel, end_weights / curvature, backend)  # [B, H]
-    return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
 
 
 @dataclass
@@ -231,6 +199,20 @@ class NeuralMemory(nn.Module):
         self, x: Tensor, state: NeuralMemoryState | None = None, backend: str | None = None
     ) -> tuple[Tensor, NeuralMemoryState]:
         """x [B, T, d] -> (y [B, T, d], new state); never mutates parameters."""
+        reads, state = self.read_write(x, state, backend)
+        return self.project_reads(reads), state
+
+    def project_reads(self, reads: Tensor) -> Tensor:
+        """y = W_o M*(q) [B, T, d] of the reads M*(q) [B, H, T, d_h] (Ti eq. 15's output
+        projection). Linear per token, so reads of several calls can be projected at once."""
+        batch, heads, length, d_head = reads.shape
+        return self.w_o(reads.transpose(1, 2).reshape(batch, length, heads * d_head))
+
+    def read_write(
+        self, x: Tensor, state: NeuralMemoryState | None = None, backend: str | None = None
+    ) -> tuple[Tensor, NeuralMemoryState]:
+        """``forward`` before the output projection: x [B, T, d] -> (the reads M*(q)
+        [B, H, T, d_h], new state)."""
         batch, seq, dim = x.shape
         if state is None:
             state = self.init_state(batch)
@@ -282,8 +264,8 @@ class NeuralMemory(nn.Module):
         if complete < held + seq:  # the partial chunk: read now, written by a later call
             reads.append(self.read(fast, q[:, :, max(complete - held, 0) :]))
         pending = PendingChunk(*(t[:, :, complete:] for t in stream))
-        out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
-        return self.w_o(out), NeuralMemoryState(fast, tail, pending, carry.chunks_done)
+        out = reads[0] if len(reads) == 1 else torch.cat(reads, dim=2)
+        return out, NeuralMemoryState(fast, tail, pending, carry.chunks_done)
 
     def _chunk_step(
         self,
@@ -298,19 +280,16 @@ class NeuralMemory(nn.Module):
     ) -> tuple[FastWeights | DeepFastWeights, Tensor]:
         """Read M(q) at the chunk-start state, then write the chunk (Ti eqs. 13-14);
         q, k, v [B, H, C, d_h], gates [B, H, C]."""
-        keep = 1.0 - alpha
         if isinstance(fast, DeepFastWeights):
-            return self._deep_chunk_step(fast, q, k, v, theta, eta, keep, backend)
+            return self._deep_chunk_step(fast, q, k, v, theta, eta, alpha, backend)
         # One MLP pass over [k | q]: the reads M(q), and at the keys the inner-gradient
         # factors, the curvature and the chunk's kernel bound (Ti eq. 12's target v).
         fused = resolve_backend(backend) == "fused"
         step = chunk_pass(fast.w1, fast.w2, None, k, q, "l2", True, target=v, fused=fused)
         # Inner step theta_t of Ti eq. 13 as theta_max * sigmoid(.) / max(1, lambda_t):
-        # a deviation that keeps the chunked write stable (see ``chunk_step_cap``).
+        # a deviation that keeps the chunked write stable (``chunk_rates.chunk_step_cap``).
         # w_s once: the cap reads it detached, the write differentiates through it.
-        weights = end_weights_of(eta, keep, backend)
-        cap = chunk_step_cap(step.coupling, weights, backend)
-        rate = cap * theta / step.curvature.clamp_min(1.0)
+        keep, weights, rate = chunk_rates(theta, eta, alpha, step.curvature, step.coupling, backend)
         fast = momentum_write(
             fast, k, v, rate, eta, keep, objective="l2", residual=True, backend=backend,
             end_weights=weights, factors=step.factors,
@@ -326,16 +305,16 @@ class NeuralMemory(nn.Module):
         v: Tensor,
         theta: Tensor,
         eta: Tensor,
-        keep: Tensor,
+        alpha: Tensor,
         backend: str | None,
     ) -> tuple[DeepFastWeights, Tensor]:
         """``_chunk_step`` for a memory of depth != 2 (``deep_mlp``), with the same capped
-        inner step: a deviation (docs/FAITHFULNESS.md, ``chunk_step_cap``)."""
+        inner step: a deviation (docs/FAITHFULNESS.md, ``chunk_rates.chunk_step_cap``)."""
         read = deep_apply(fast.weights, q)
         factors = deep_factors(fast.weights, k, v)
-        weights = end_weights_of(eta, keep, backend)
-        step = chunk_step_cap(factors.coupling, weights, backend) * theta
-        step = step / factors.curvature.clamp_min(1.0)
+        keep, weights, step = chunk_rates(
+            theta, eta, alpha, factors.curvature, factors.coupling, backend
+        )
         if resolve_backend(backend) == "naive":
             return naive_deep_write(fast, k, v, step, eta, keep), read
         return deep_momentum_write(fast, factors, step, eta, keep, weights), read

@@ -220,10 +220,12 @@ class TitansMACBlock(_TitansBlock):
         memory, ys, reads = state.memory, [], []
         for index, q in enumerate(queries):
             y = mix(self, q, memory.memory, context.segment(index))
-            m, memory = self.memory(self.write_norm(y), memory)  # reads M_{s-1}, writes y
+            # reads M_{s-1}, writes y; the reads' output projection runs once, below
+            m, memory = self.memory.read_write(self.write_norm(y), memory)
             ys.append(y)
             reads.append(m)
-        out = self.gate(torch.cat(ys, dim=1), torch.cat(reads, dim=1))  # per token: once
+        m = self.memory.project_reads(torch.cat(reads, dim=2))
+        out = self.gate(torch.cat(ys, dim=1), m)  # per token: once
         return self._mlp(x + out), TitansState(memory)
 
 

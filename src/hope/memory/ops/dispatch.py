@@ -24,9 +24,9 @@ Backends:
   operator with a closed-form backward, ``hope::dgd_chunk`` (``fused.py``): one
   Triton kernel forward and one backward on CUDA instead of ~113 launches, the same
   closed form in PyTorch ops elsewhere (so a CPU counts what a GPU launches); the
-  Titans memory's momentum write likewise (``hope::momentum_chunk``); every chunk's
-  overshoot bound (``overshoot``) and the SMT's bounded step (``bounded_step``) as
-  one operator instead of ~30; a memory's chunk-start pass
+  Titans memory's momentum write likewise (``hope::momentum_chunk``) and its chunk's
+  step sizes with their overshoot cap (``chunk_rates``: ``chunk_rates.py``), the SMT's
+  bounded step (``bounded_step``) as one operator instead of ~30; a memory's chunk-start pass
   (``residual_mlp.chunk_pass(fused=True)``: ``memory_pass.py``), stacked memories on a
   shared input (``residual_mlp.stacked_apply``: ``memory_apply.py``), the SMT's
   generation epilogue (``smt_state.generate_stacked``: ``generation.py``), a group's
@@ -59,10 +59,11 @@ from torch.nn import functional as F
 
 from hope.layers import apply_rotary
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
+from hope.memory.ops.chunk_rates import chunk_rates_reference, titans_chunk_rates
 from hope.memory.ops.end_weights import chunk_end_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
-from hope.memory.ops.overshoot import bounded_step_op, overshoot_ratio_op
+from hope.memory.ops.overshoot import bounded_step_op
 from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.ops.rms_norm import rms_norm, rms_norm_reference
 from hope.memory.ops.rotary import rotary
@@ -183,12 +184,20 @@ def end_weights_of(eta: Tensor, keep: Tensor, backend: str | None = None) -> Ten
     return momentum_chunk_weights(eta, keep)
 
 
-def overshoot(kernel: Tensor, step: Tensor, backend: str | None = None) -> Tensor:
-    """``overshoot_ratio`` rho [B, H] of a chunk's kernel bound [B, H, C, C] and steps
-    [B, H, C] (a stabiliser's input: no gradient); one operator under ``fused``."""
+def chunk_rates(
+    theta: Tensor,
+    eta: Tensor,
+    alpha: Tensor,
+    curvature: Tensor,
+    coupling: Tensor,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(keep = 1 - alpha, the momentum end weights, the capped inner steps) [B, H, C] of
+    a Titans chunk (``chunk_rates.chunk_rates_reference``); one operator each way under
+    ``fused``."""
     if resolve_backend(backend) == "fused":
-        return overshoot_ratio_op(kernel.detach(), step.detach())
-    return overshoot_ratio(kernel, step)
+        return titans_chunk_rates(theta, eta, alpha, curvature, coupling.detach())  # type: ignore[no-any-return]
+    return chunk_rates_reference(theta, eta, alpha, curvature, coupling)
 
 
 def bounded_step(kernel: Tensor, eta: Tensor, backend: str | None = None) -> Tensor:

@@ -31,6 +31,13 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     # q and k: views of the fused qkv projection; the gradient as autograd hands it.
     "hope::rotary": {"x": ALL},
     "hope::chunk_end_weights_backward": {"eta": ALL, "keep": ALL, "grad": ALL},
+    # every argument (gates, curvature, kernel bound, gradients) through its strides
+    "hope::titans_chunk_rates": dict.fromkeys(
+        ("theta", "eta", "alpha", "curvature", "coupling"), ALL
+    ),
+    "hope::titans_chunk_rates_backward": dict.fromkeys(
+        ("theta", "eta", "alpha", "curvature", "coupling", "g_keep", "g_weights", "g_rate"), ALL
+    ),
 }
 
 

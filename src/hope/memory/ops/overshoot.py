@@ -1,12 +1,12 @@
-"""The overshoot bound of a chunk's writes as single operators (backend ``fused``).
+"""The SMT's bounded step as a single operator (backend ``fused``).
 
 A chunk applies its C inner steps at the chunk-start weights; ``overshoot_ratio``
 (``residual_mlp``) bounds how far they can overshoot, from the chunk's kernel bound
-and steps. ``hope::overshoot_ratio`` is that bound, rho [B, H] (the Titans memory's
-step cap divides by max(1, rho)); ``hope::bounded_step`` the SMT's bounded step
-eta / (1 + rho) (``smt_state.bounded_eta``) with its gradient (rho a constant).
-About 30 kernels as PyTorch ops (four power iterations), one Triton kernel here on
-CUDA (``triton_kernels.py``); elsewhere the same forms in PyTorch ops.
+and steps. ``hope::bounded_step`` is the SMT's bounded step eta / (1 + rho)
+(``smt_state.bounded_eta``) with its gradient (rho a constant): about 30 kernels as
+PyTorch ops (four power iterations), one Triton kernel here on CUDA
+(``triton_kernels.py``); elsewhere the same form in PyTorch ops. (The Titans memory's
+cap takes the same bound inside ``hope::titans_chunk_rates``, ``chunk_rates.py``.)
 """
 
 from __future__ import annotations
@@ -22,23 +22,6 @@ from hope.memory.residual_mlp import overshoot_ratio
 
 def _uses_triton(t: Tensor) -> bool:
     return t.device.type == "cuda"
-
-
-@torch.library.custom_op("hope::overshoot_ratio", mutates_args=())
-def overshoot_ratio_op(kernel: Tensor, step: Tensor) -> Tensor:
-    """``residual_mlp.overshoot_ratio`` (kernel [B, H, C, C] >= 0, step [B, H, C] -> rho
-    [B, H]) in one launch: the ~30 ops of its power iterations in one Triton kernel on
-    CUDA. Its inputs carry no gradient (callers detach them)."""
-    if _uses_triton(kernel):
-        from hope.memory.ops.triton_kernels import overshoot_ratio_triton
-
-        return overshoot_ratio_triton(kernel, step)
-    return overshoot_ratio(kernel, step)
-
-
-@overshoot_ratio_op.register_fake
-def _(kernel: Tensor, step: Tensor) -> Tensor:
-    return kernel.new_empty(kernel.shape[:-2])
 
 
 @torch.library.custom_op("hope::bounded_step", mutates_args=())

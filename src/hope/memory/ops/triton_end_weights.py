@@ -16,6 +16,34 @@ from torch import Tensor
 
 
 @triton.jit
+def end_terms(eta, keep, t, C):
+    """The terms P[j, s] [CP, CP] of one chunk's end weights (zero outside the live
+    j >= s) and the weights w_s = sum_j P[j, s] [CP], from eta and keep [CP] (1 on
+    padded tokens)."""
+    log_b = tl.cumsum(tl.log(eta), 0)
+    log_a = tl.cumsum(tl.log(keep), 0)
+    log_a_end = tl.sum(tl.log(keep), 0)  # padded tokens add log 1 = 0
+    j, s = t[:, None], t[None, :]
+    later = (j >= s) & (j < C)
+    logit = (log_a_end - log_a + log_b)[:, None] - log_b[None, :]
+    terms = tl.where(later, tl.exp(tl.where(later, logit, 0.0)), 0.0)  # P[j, s]
+    return terms, tl.sum(terms, 0)
+
+
+@triton.jit
+def end_weight_grads(terms, weights, g, eta, keep, t, C):
+    """(dL/deta, dL/dkeep) [CP] of the end weights given dL/dw = g (0 on padded tokens)."""
+    along = tl.sum(terms * g[None, :], 1)  # R_j
+    total = tl.sum(g * weights, 0)
+    d_log_b = along - g * weights
+    d_log_a = tl.where(t == C - 1, total, 0.0) - along
+    # suffix sums sum_{i >= t}: padded entries are zero
+    suffix_b = tl.sum(d_log_b, 0) - tl.cumsum(d_log_b, 0) + d_log_b
+    suffix_a = tl.sum(d_log_a, 0) - tl.cumsum(d_log_a, 0) + d_log_a
+    return suffix_b / eta, suffix_a / keep
+
+
+@triton.jit
 def _end_weights(eta_ptr, keep_ptr, g_ptr, w_out, d_eta_out, d_keep_out, C, H,
                  s_eta_b, s_eta_h, s_eta_c, s_keep_b, s_keep_h, s_keep_c,
                  s_g_b, s_g_h, s_g_c, CP: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
@@ -25,25 +53,12 @@ def _end_weights(eta_ptr, keep_ptr, g_ptr, w_out, d_eta_out, d_keep_out, C, H,
     live = t < C
     eta = tl.load(eta_ptr + b * s_eta_b + h * s_eta_h + t * s_eta_c, mask=live, other=1.0)
     keep = tl.load(keep_ptr + b * s_keep_b + h * s_keep_h + t * s_keep_c, mask=live, other=1.0)
-    log_b = tl.cumsum(tl.log(eta), 0)
-    log_a = tl.cumsum(tl.log(keep), 0)
-    log_a_end = tl.sum(tl.log(keep), 0)  # padded tokens add log 1 = 0
-    j, s = t[:, None], t[None, :]
-    later = (j >= s) & (j < C)
-    logit = (log_a_end - log_a + log_b)[:, None] - log_b[None, :]
-    terms = tl.where(later, tl.exp(tl.where(later, logit, 0.0)), 0.0)  # P[j, s]
-    weights = tl.sum(terms, 0)
+    terms, weights = end_terms(eta, keep, t, C)
     if BACKWARD:
         g = tl.load(g_ptr + b * s_g_b + h * s_g_h + t * s_g_c, mask=live, other=0.0)
-        along = tl.sum(terms * g[None, :], 1)  # R_j
-        total = tl.sum(g * weights, 0)
-        d_log_b = along - g * weights
-        d_log_a = tl.where(t == C - 1, total, 0.0) - along
-        # suffix sums sum_{i >= t}: padded entries are zero
-        suffix_b = tl.sum(d_log_b, 0) - tl.cumsum(d_log_b, 0) + d_log_b
-        suffix_a = tl.sum(d_log_a, 0) - tl.cumsum(d_log_a, 0) + d_log_a
-        tl.store(d_eta_out + bh * C + t, suffix_b / eta, mask=live)
-        tl.store(d_keep_out + bh * C + t, suffix_a / keep, mask=live)
+        d_eta, d_keep = end_weight_grads(terms, weights, g, eta, keep, t, C)
+        tl.store(d_eta_out + bh * C + t, d_eta, mask=live)
+        tl.store(d_keep_out + bh * C + t, d_keep, mask=live)
     else:
         tl.store(w_out + bh * C + t, weights, mask=live)
 

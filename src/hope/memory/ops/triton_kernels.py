@@ -18,9 +18,9 @@ takes the C x C part (``dgd_chunk_backward_reference`` written per program).
 
 ``hope::l2_normalize`` and its backward (``pointwise.py``): blocks of rows.
 
-``hope::overshoot_ratio``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
-the Collatz-Wielandt bound after four power iterations (``residual_mlp.perron_bound``);
-``hope::bounded_step`` the same, then s / (1 + rho).
+``hope::bounded_step``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
+the Collatz-Wielandt bound rho after four power iterations (``residual_mlp.perron_bound``;
+``overshoot_of``, shared with ``triton_chunk_rates.py``), then s / (1 + rho).
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` against the PyTorch forms
 (tests/test_fused_ops.py); scripts/gpu_check.sh runs the same parity on CUDA.
@@ -232,25 +232,32 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
 
 
 @triton.jit
-def _overshoot(kernel_ptr, step_ptr, rho_ptr, bounded_ptr, C, GH, HS, CP: tl.constexpr,
-               ITERATIONS: tl.constexpr, BOUND: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0).to(tl.int64)
-    t = tl.arange(0, CP)
-    live = t < C
-    step = tl.load(step_ptr + (bh // GH * HS + bh % GH % HS) * C + t, mask=live, other=0.0)
+def overshoot_of(step, kernel, live, ITERATIONS: tl.constexpr):
+    """rho = 2 x the Collatz-Wielandt bound on ||diag(sqrt(s)) K diag(sqrt(s))||_2 after
+    ``ITERATIONS`` power iterations (``residual_mlp.overshoot_ratio``) of one chunk's
+    steps s [CP] and kernel bound K [CP, CP] (zero outside the ``live`` tokens)."""
     root = tl.sqrt(tl.maximum(step, 0.0))
-    matrix = root[:, None] * load_tile(kernel_ptr + bh * C * C, t, t, C, C, C) * root[None, :]
+    matrix = root[:, None] * kernel * root[None, :]
     x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
     for _ in tl.static_range(ITERATIONS):
         x = tl.sum(matrix * x[None, :], 1)
         x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
     ratio = tl.where(live, tl.sum(matrix * x[None, :], 1) / x, 0.0)
-    rho = 2.0 * tl.max(ratio, 0)
-    if BOUND:  # the step divided by 1 + rho, and the gain 1 / (1 + rho)
-        tl.store(bounded_ptr + bh * C + t, step / (1.0 + rho), mask=live)
-        tl.store(rho_ptr + bh, 1.0 / (1.0 + rho))
-    else:
-        tl.store(rho_ptr + bh, rho)
+    return 2.0 * tl.max(ratio, 0)
+
+
+@triton.jit
+def _bounded_step(kernel_ptr, step_ptr, gain_ptr, bounded_ptr, C, GH, HS, CP: tl.constexpr,
+                  ITERATIONS: tl.constexpr):  # fmt: skip
+    bh = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, CP)
+    live = t < C
+    step = tl.load(step_ptr + (bh // GH * HS + bh % GH % HS) * C + t, mask=live, other=0.0)
+    kernel = load_tile(kernel_ptr + bh * C * C, t, t, C, C, C)
+    rho = overshoot_of(step, kernel, live, ITERATIONS)
+    # the step divided by 1 + rho, and the gain 1 / (1 + rho)
+    tl.store(bounded_ptr + bh * C + t, step / (1.0 + rho), mask=live)
+    tl.store(gain_ptr + bh, 1.0 / (1.0 + rho))
 
 
 @triton.jit
@@ -292,27 +299,17 @@ def l2_normalize_backward_triton(x: Tensor, grad: Tensor) -> Tensor:
     return _normalize_launch(x, grad)
 
 
-def _overshoot_launch(kernel: Tensor, step: Tensor, bound: bool) -> tuple[Tensor, Tensor]:
-    """step [B, H_s, C] may be shared by the G = GH / H_s members of kernel [B, GH, C, C]."""
+def bounded_step_triton(kernel: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+    """``hope::bounded_step`` in one kernel launch: (step / (1 + rho), 1 / (1 + rho)).
+    step [B, H_s, C] may be shared by the G = GH / H_s members of kernel [B, GH, C, C]."""
     c = kernel.shape[-1]
     flat_kernel = kernel.reshape(-1, c, c).contiguous()
-    rho = kernel.new_empty(flat_kernel.shape[0])
-    bounded = kernel.new_empty(kernel.shape[:-1]) if bound else rho
-    _overshoot[(flat_kernel.shape[0],)](
-        flat_kernel, step.contiguous(), rho, bounded, c, kernel.shape[1], step.shape[1],
-        CP=max(16, triton.next_power_of_2(c)), ITERATIONS=4, BOUND=bound,
+    gain = kernel.new_empty(kernel.shape[:-2])
+    bounded = kernel.new_empty(kernel.shape[:-1])
+    _bounded_step[(flat_kernel.shape[0],)](
+        flat_kernel, step.contiguous(), gain, bounded, c, kernel.shape[1], step.shape[1],
+        CP=max(16, triton.next_power_of_2(c)), ITERATIONS=4,
     )  # fmt: skip
-    return rho.view(kernel.shape[:-2]), bounded
-
-
-def overshoot_ratio_triton(kernel: Tensor, step: Tensor) -> Tensor:
-    """``hope::overshoot_ratio`` in one kernel launch."""
-    return _overshoot_launch(kernel, step, bound=False)[0]
-
-
-def bounded_step_triton(kernel: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
-    """``hope::bounded_step`` in one kernel launch: (step / (1 + rho), 1 / (1 + rho))."""
-    gain, bounded = _overshoot_launch(kernel, step, bound=True)
     return bounded, gain
 
 
