@@ -26,6 +26,7 @@ import hope
 from conftest import assert_states_close, state_leaves
 from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
+from hope.memory.conv import causal_depthwise
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
 from hope.memory.ops.chunk_rates import chunk_rates_reference
@@ -36,8 +37,14 @@ from hope.memory.ops.generation import smt_generation
 from hope.memory.ops.layouts import dense_below, dense_copies
 from hope.memory.ops.memory_apply import memory_apply
 from hope.memory.ops.pointwise import l2_normalize
+from hope.memory.ops.segment_attention import (
+    masked_attention,
+    segment_attention,
+    segment_visibility,
+)
 from hope.memory.ops.smt_step import smt_step
 from hope.memory.ops.smt_write import smt_write
+from hope.memory.ops.titans_heads import titans_heads
 from hope.memory.residual_mlp import (
     FastWeights,
     chunk_pass,
@@ -607,6 +614,106 @@ def test_fused_chunk_rates_equal_the_torch_forms_with_gradients_in_one_launch_ea
     assert counts["torch"][0] >= 10 and counts["torch"][1] >= 10, counts
 
 
+def _plain_heads(pre, tail, weight, gate_pre, heads):  # type: ignore[no-untyped-def]
+    """The Titans memory's plain path from its projections (SiLU, the conv module's
+    function, heads, F.normalize, sigmoid gates), in the layouts it hands on."""
+    conv, new_tail = causal_depthwise(F.silu(pre), tail, weight)
+    batch, length, width = conv.shape
+    q, k, v = (
+        t.reshape(batch, length, heads, -1).transpose(1, 2) for t in conv.split(width // 3, -1)
+    )
+    gates = torch.sigmoid(gate_pre).transpose(1, 2).split(heads, 1)
+    return (F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, *gates, new_tail)
+
+
+@pytest.mark.parametrize(("length", "window"), [(1, 4), (3, 4), (21, 4), (16, 1)])
+def test_fused_titans_heads_equal_the_plain_path_with_gradients_in_one_launch_each_way(
+    length: int, window: int
+) -> None:
+    """``hope::titans_heads`` against the plain path differentiated by autograd: the
+    heads, gates and new tail, and the gradients of the projections, the carried tail
+    (also through a call shorter than the window, whose new tail holds old tail rows)
+    and the conv weight, with every output's gradient given and with some absent; one
+    launch forward, and the kernel plus the weight's sum backward."""
+    heads, d_head = 2, 5
+    width = 3 * heads * d_head
+    gen = torch.Generator().manual_seed(length)
+    leaves = [
+        torch.randn(2, length, width, generator=gen, dtype=DT),
+        torch.randn(2, window - 1, width, generator=gen, dtype=DT),
+        1.0 + 0.3 * torch.randn(width, window, generator=gen, dtype=DT),
+        torch.randn(2, length, 3 * heads, generator=gen, dtype=DT),
+    ]
+    leaves = [t.requires_grad_() for t in leaves]
+    with LaunchCounter() as forward:
+        got = titans_heads(*leaves, heads)
+    want = _plain_heads(*leaves, heads)
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, w, rtol=1e-14, atol=1e-15)
+    probes = [torch.randn(w.shape, generator=gen, dtype=DT) for w in want]
+    for used in (range(7), (1, 3, 6)):  # all outputs; k, theta and the new tail only
+        pairs = [(i, probes[i]) for i in used]
+        with LaunchCounter() as backward:
+            grads = torch.autograd.grad(
+                [got[i] for i, _ in pairs], leaves, [p for _, p in pairs], retain_graph=True
+            )
+        wanted = torch.autograd.grad(
+            [want[i] for i, _ in pairs], leaves, [p for _, p in pairs], retain_graph=True
+        )
+        for g, w in zip(grads, wanted, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
+        assert backward.count == 2, backward.count
+        assert min(g.abs().max() for g in wanted if g.numel()) > 1e-3  # all reached
+    assert forward.count == 1
+
+
+def _segment_inputs(length: int, persistent: int) -> tuple[torch.Tensor | None, ...]:
+    """One MAC segment's attention inputs in the layouts the block hands over: q a
+    slice of the call's queries, h's keys and values views of one projection."""
+    gen = torch.Generator().manual_seed(length + persistent)
+    batch, heads, dim = 2, 3, 8
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=DT)
+
+    q = rand(batch, heads, length + 4, dim)[:, :, 2 : 2 + length]
+    kv = rand(batch, length, 2, heads, dim).permute(2, 0, 3, 1, 4)
+    p_scores = rand(batch, heads, length, persistent) if persistent else None
+    p_values = rand(1, heads, persistent, dim) if persistent else None
+    inputs = (q, kv[0], kv[1], rand(batch, heads, length, dim), rand(batch, heads, length, dim),
+              p_scores, p_values)  # fmt: skip
+    return tuple(None if t is None else t.requires_grad_() for t in inputs)
+
+
+@pytest.mark.parametrize(("length", "persistent"), [(1, 4), (16, 4), (9, 0)])
+def test_fused_segment_attention_equals_the_masked_attention_with_gradients(
+    length: int, persistent: int
+) -> None:
+    """``hope::segment_attention`` against ``masked_attention`` over [P || h || x] with
+    the segment mask, differentiated by autograd: y token-major and every input's
+    gradient, P's values' summed over the batch; one launch forward, one backward (and
+    the sum of P's values' gradients when P is given)."""
+    inputs = _segment_inputs(length, persistent)
+    q, k_mem, v_mem, k_seg, v_seg, p_scores, p_values = inputs
+    with LaunchCounter() as forward:
+        got = segment_attention(*inputs)
+    values = [v_mem, v_seg] if p_values is None else [p_values.expand(2, -1, -1, -1), v_mem, v_seg]
+    hidden = ~segment_visibility(length, q.device)
+    want = masked_attention(q, torch.cat((k_mem, k_seg), 2), torch.cat(values, 2), hidden, p_scores)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
+    assert got.is_contiguous() and got.shape == (2, length, 3, 8)
+    probe = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
+    leaves = [t for t in inputs if t is not None]
+    with LaunchCounter() as backward:
+        grads = torch.autograd.grad(got, leaves, probe)
+    wanted = torch.autograd.grad(want, leaves, probe)
+    for g, w in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+        assert w.abs().max() > 1e-3 or length == 1  # one token: q and k get no gradient
+    assert (forward.count, backward.count) == (1, 1 + int(persistent > 0))
+
+
 def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     dispatch.set_default_backend(backend)
     try:
@@ -752,7 +859,7 @@ def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, flo
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 206) -> None:
+def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 236) -> None:
     assert len(errors) == count
     for name, err in errors.items():
         assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
@@ -784,7 +891,8 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
         "_bounded_step", "_chunk_rates", "_memory_pass_fwd", "_memory_pass_bwd",
         "_memory_apply_fwd", "_memory_apply_bwd", "_generation_fwd", "_generation_bwd",
         "_smt_write_fwd", "_smt_write_bwd", "_smt_step_fwd", "_smt_step_bwd", "_cms_scan",
-        "_end_weights", "_rms_norm", "_rotary",
+        "_end_weights", "_rms_norm", "_rotary", "_heads_fwd", "_heads_bwd",
+        "_segment_attention",
     }  # fmt: skip
     assert set(kernels) == expected
     for name, info in kernels.items():
@@ -795,4 +903,4 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
     # float32 only: what training runs, and half the kernels to compile (the interpreter
     # covers float64), so gpu_check's parity part stays within its limit.
-    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=103)
+    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=118)

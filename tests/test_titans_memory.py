@@ -156,7 +156,7 @@ def test_writes_lower_memory_loss_and_never_touch_parameters():
     before = {n: p.detach().clone() for n, p in module.state_dict().items()}
     init = module.init_state(2)
     _, state = module(x, init)
-    (q, k, v), _ = module._project(x, init.conv_tail)
+    (q, k, v, *_), _ = module._project(x, init.conv_tail, "torch")
     loss0 = inner_loss(init.memory.w1, init.memory.w2, k, v, "l2", True).sum(-1)
     loss1 = inner_loss(state.memory.w1, state.memory.w2, k, v, "l2", True).sum(-1)
     assert bool((loss1 < loss0).all()), (loss0, loss1)
@@ -238,8 +238,7 @@ def test_a_write_at_init_lowers_the_inner_loss_of_its_chunk(dim, heads, chunk, m
     x = torch.randn(2, chunk, dim, dtype=DT, generator=torch.Generator().manual_seed(0))
     state = module.init_state(2)
     with torch.no_grad():
-        (q, k, v), _ = module._project(x, state.conv_tail)
-        gates = torch.sigmoid(module.gates(x)).transpose(1, 2).split(heads, 1)
+        (q, k, v, *gates), _ = module._project(x, state.conv_tail, "torch")
         written, _ = module._chunk_step(state.memory, q, k, v, *gates, "torch")
         before = inner_loss(state.memory.w1, state.memory.w2, k, v, "l2", True).sum()
         after = inner_loss(written.w1, written.w2, k, v, "l2", True).sum()
@@ -259,7 +258,7 @@ def test_a_chunk_of_identical_keys_never_overshoots(chunk):
     x = _x(seq=1).expand(2, chunk, 8).contiguous()
     init = module.init_state(2)
     _, state = module(x, init)
-    (_, k, v), _ = module._project(x, init.conv_tail)
+    (_, k, v, *_), _ = module._project(x, init.conv_tail, "torch")
     loss0 = inner_loss(init.memory.w1, init.memory.w2, k, v, "l2", True)
     loss1 = inner_loss(state.memory.w1, state.memory.w2, k, v, "l2", True)
     assert bool((loss1 < loss0).all()), (loss0, loss1)

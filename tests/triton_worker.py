@@ -26,8 +26,16 @@ from hope.memory.ops.memory_pass import memory_pass_backward_reference, memory_p
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
 from hope.memory.ops.rms_norm import rms_norm_backward_reference, rms_norm_reference
 from hope.memory.ops.rotary import rotary_reference
+from hope.memory.ops.segment_attention import (
+    segment_attention_backward_reference,
+    segment_attention_reference,
+)
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
+from hope.memory.ops.titans_heads import (
+    titans_heads_backward_reference,
+    titans_heads_reference,
+)
 from hope.memory.ops.triton_apply import memory_apply_backward_triton, memory_apply_triton
 from hope.memory.ops.triton_chunk_rates import (
     titans_chunk_rates_backward_triton,
@@ -42,6 +50,7 @@ from hope.memory.ops.triton_generation import (
     smt_generation_backward_triton,
     smt_generation_triton,
 )
+from hope.memory.ops.triton_heads import titans_heads_backward_triton, titans_heads_triton
 from hope.memory.ops.triton_kernels import (
     bounded_step_triton,
     dgd_chunk_backward_triton,
@@ -53,6 +62,10 @@ from hope.memory.ops.triton_momentum import momentum_chunk_backward_triton, mome
 from hope.memory.ops.triton_norm import rms_norm_backward_triton, rms_norm_triton
 from hope.memory.ops.triton_pass import memory_pass_backward_triton, memory_pass_triton
 from hope.memory.ops.triton_rotary import rotary_triton
+from hope.memory.ops.triton_segment_attention import (
+    segment_attention_backward_triton,
+    segment_attention_triton,
+)
 from hope.memory.ops.triton_step import smt_step_backward_triton, smt_step_triton
 from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_triton
 from hope.memory.residual_mlp import overshoot_ratio
@@ -75,11 +88,13 @@ def inputs(c: int, i: int, m: int, o: int, dtype: torch.dtype, device: str) -> l
             rand(b, h, c, m), rand(b, h, c, m), eta, alpha, rand(b, h, c, m)]  # fmt: skip
 
 
-def worst(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> float:
-    """Largest |got - want| relative to the largest |want| of each tensor."""
+def worst(got: tuple[Any, ...], want: tuple[Any, ...]) -> float:
+    """Largest |got - want| relative to the largest |want| of each non-empty tensor."""
     return max(
         ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
         for g, w in zip(got, want, strict=True)
+        # an absent gradient or an empty tensor (a conv without history) has no error
+        if w is not None and w.numel()
     )
 
 
@@ -495,6 +510,61 @@ def chunk_rates_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+# The Titans heads (B, T, H, d_h, W): a call shorter than the window (its new tail holds
+# old tail rows), several token blocks with a ragged last one, no conv history (W = 1).
+HEADS_SHAPES = [(2, 3, 2, 4, 4), (2, 37, 3, 8, 4), (1, 16, 2, 16, 1)]
+
+
+def heads_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::titans_heads`` both ways against the PyTorch forms; the backward with
+    every gradient (the heads' as transposed views) and with some absent."""
+    errors = {}
+    for b, t, h, d_h, w in HEADS_SHAPES:
+        gen = torch.Generator().manual_seed(t)
+
+        def rand(*shape: int, gen: torch.Generator = gen) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+        x = (rand(b, t, 3 * h * d_h), rand(b, w - 1, 3 * h * d_h), rand(3 * h * d_h, w),
+             rand(b, t, 3 * h))  # fmt: skip
+        want = titans_heads_reference(*x, h)
+        name = f"heads_{str(dtype).removeprefix('torch.')}_T{t}_W{w}"
+        errors[f"{name}_forward"] = worst(titans_heads_triton(*x, h), want)
+        grads: list[torch.Tensor | None] = [rand(*o.shape) for o in want]
+        grads[0] = rand(b, t, h, d_h).transpose(1, 2)
+        for label, given in (("", grads), ("_some", [None, grads[1], None, grads[3], None,
+                                                      None, grads[6]])):  # fmt: skip
+            errors[f"{name}_backward{label}"] = worst(
+                titans_heads_backward_triton(x, h, given),
+                titans_heads_backward_reference(x, h, tuple(given)),
+            )
+    return errors
+
+
+def segment_attention_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::segment_attention`` both ways against the PyTorch forms (B, H, S, D, N_p):
+    a tile of exact size with P, a short segment without P, a ragged one; q strided."""
+    errors = {}
+    for b, h, s, d, n_p in ((2, 3, 16, 8, 4), (2, 2, 5, 16, 0), (1, 2, 37, 12, 3)):
+        gen = torch.Generator().manual_seed(s)
+
+        def rand(*shape: int, gen: torch.Generator = gen) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+        x = (rand(b, s, h, d).transpose(1, 2), *(rand(b, h, s, d) for _ in range(4)),
+             rand(b, h, s, n_p) if n_p else None, rand(1, h, n_p, d) if n_p else None)  # fmt: skip
+        name = f"segment_attention_{str(dtype).removeprefix('torch.')}_S{s}_P{n_p}"
+        errors[f"{name}_forward"] = worst(
+            (segment_attention_triton(*x),), (segment_attention_reference(*x),)
+        )
+        grad = rand(b, s, h, d)
+        errors[f"{name}_backward"] = worst(
+            segment_attention_backward_triton(x, grad),
+            segment_attention_backward_reference(x, grad),
+        )
+    return errors
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -532,6 +602,8 @@ def main(
         errors |= cms_scan_errors(dtype, device)
         errors |= end_weights_errors(dtype, device)
         errors |= chunk_rates_errors(dtype, device)
+        errors |= heads_errors(dtype, device)
+        errors |= segment_attention_errors(dtype, device)
         for c, *_ in SHAPES:
             gen = torch.Generator().manual_seed(c)
             act = torch.randn(2, 3, c, 24, generator=gen, dtype=torch.float64)

@@ -18,6 +18,17 @@ from torch.nn import functional as F
 from hope.memory.pieces import PieceGrid
 
 
+def causal_depthwise(x: Tensor, tail: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """y_t = sum_j weight[:, j] x_{t-(W-1)+j} of x [B, T, C] after the history tail
+    [B, W-1, C], weight [C, W] -> (y [B, T, C], the new tail [B, W-1, C]: the last
+    W-1 inputs, a view)."""
+    window = weight.shape[1]
+    padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    new_tail = padded[:, padded.shape[1] - (window - 1) :]
+    y = F.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), groups=weight.shape[0])
+    return y.transpose(1, 2), new_tail
+
+
 class CausalDepthwiseConv(nn.Module):
     # Per-channel kernels [d, w], not a map between features: AdamW, not Muon/M3.
     vector_params = ("weight",)
@@ -47,12 +58,11 @@ class CausalDepthwiseConv(nn.Module):
         self, x: Tensor, tail: Tensor, pieces: PieceGrid | None = None
     ) -> tuple[Tensor, Tensor]:
         """x [B, T, C], tail [B, W-1, C] -> (y [B, T, C], new tail [B, W-1, C])."""
+        if pieces is None:
+            return causal_depthwise(x, tail, self.weight)
         padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
         new_tail = padded[:, padded.shape[1] - (self.window - 1) :]
-        if pieces is not None:
-            return self._cut_at_pieces(padded, pieces), new_tail
-        y = F.conv1d(padded.transpose(1, 2), self.weight.unsqueeze(1), groups=self.channels)
-        return y.transpose(1, 2), new_tail
+        return self._cut_at_pieces(padded, pieces), new_tail
 
     def _cut_at_pieces(self, padded: Tensor, pieces: PieceGrid) -> Tensor:
         """The same y, with taps from other pieces (and from the tail) detached."""

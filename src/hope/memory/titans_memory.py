@@ -55,6 +55,7 @@ from hope.memory.ops.dispatch import (
     resolve_backend,
     unit_rows,
 )
+from hope.memory.ops.titans_heads import titans_heads
 from hope.memory.residual_mlp import (
     FastWeights,
     MemoryInit,
@@ -178,22 +179,32 @@ class NeuralMemory(nn.Module):
         return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 
     def _project(
-        self, x: Tensor, tail: Tensor | None, backend: str | None = None
+        self, x: Tensor, tail: Tensor | None, backend: str
     ) -> tuple[list[Tensor], Tensor | None]:
-        """q, k, v heads [B, H, T, d_h] (Ti §4.4: SiLU, conv, L2-norm q and k)."""
+        """[q, k, v] heads [B, H, T, d_h] (Ti §4.4: SiLU, conv, L2-norm q and k) and the
+        gates theta, eta, alpha [B, H, T] of x [B, T, d], with the conv's new tail."""
         batch, seq, dim = x.shape
+        if backend == "fused" and self.conv is not None:
+            # Dense heads and gates from one operator each way (``ops/titans_heads.py``):
+            # the fused operators' kernels take a chunk of them without a copy.
+            assert tail is not None
+            *parts, tail = titans_heads(self.w_qkv(x), tail, self.conv.weight, self.gates(x),
+                                        self.n_heads)  # fmt: skip
+            return parts, tail
         qkv = F.silu(self.w_qkv(x))
         if self.conv is not None:
             assert tail is not None
             qkv, tail = self.conv(qkv, tail)
-        if resolve_backend(backend) == "fused":
-            # Dense [B, H, T, d_h] heads, one copy per call: the fused operators' kernels
-            # take a chunk of them without a copy of their own (one per chunk and operator).
-            heads = qkv.reshape(batch, seq, 3, self.n_heads, self.d_head)
-            q, k, v = heads.permute(2, 0, 3, 1, 4).contiguous().unbind(0)
-            return [unit_rows(q, backend), unit_rows(k, backend), v], tail
+        gate_values = torch.sigmoid(self.gates(x))  # [B, T, 3H]
+        if backend == "fused":  # dense heads and gates, one copy each per call
+            rows = qkv.reshape(batch, seq, 3, self.n_heads, self.d_head)
+            q, k, v = rows.permute(2, 0, 3, 1, 4).contiguous().unbind(0)
+            gate_heads = gate_values.view(batch, seq, 3, self.n_heads).permute(2, 0, 3, 1)
+            gates = gate_heads.contiguous().unbind(0)
+            return [unit_rows(q, backend), unit_rows(k, backend), v, *gates], tail
         q, k, v = (t.reshape(batch, seq, self.n_heads, self.d_head) for t in qkv.split(dim, dim=-1))
-        return [unit_rows(t, backend).transpose(1, 2) for t in (q, k)] + [v.transpose(1, 2)], tail
+        parts = [unit_rows(t, backend).transpose(1, 2) for t in (q, k)] + [v.transpose(1, 2)]
+        return parts + list(gate_values.transpose(1, 2).split(self.n_heads, 1)), tail
 
     def forward(
         self, x: Tensor, state: NeuralMemoryState | None = None, backend: str | None = None
@@ -217,14 +228,7 @@ class NeuralMemory(nn.Module):
         if state is None:
             state = self.init_state(batch)
         backend = resolve_backend(backend)
-        (q, k, v), tail = self._project(x, state.conv_tail, backend)
-        # [B, T, 3H] -> three [B, H, T] gates (dense under ``fused``, as the heads)
-        gate_values = torch.sigmoid(self.gates(x))
-        if backend == "fused":
-            gate_heads = gate_values.view(batch, seq, 3, self.n_heads).permute(2, 0, 3, 1)
-            gates = gate_heads.contiguous().unbind(0)
-        else:
-            gates = gate_values.transpose(1, 2).split(self.n_heads, 1)
+        (q, k, v, *gates), tail = self._project(x, state.conv_tail, backend)
         # The write stream is [pending | new]; reads are of the new tokens only.
         held = state.pending.length
         stream = [k, v, *gates]

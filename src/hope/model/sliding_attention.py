@@ -28,7 +28,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from hope.layers import rotary_tables
-from hope.memory.ops.dispatch import rotated
+from hope.memory.ops.dispatch import resolve_backend, rotated
+from hope.memory.ops.segment_attention import (
+    masked_attention,
+    segment_attention,
+    segment_visibility,
+)
 from hope.model.attention import CausalSelfAttention, KVCache, extend_valid
 
 
@@ -41,12 +46,6 @@ def sliding_window_mask(past: int, length: int, window: int, device: torch.devic
     query_pos = torch.arange(length, device=device)
     offset = query_pos[:, None] - key_pos[None, :]
     return (offset >= 0) & (offset < window)
-
-
-def segment_mask(length: int, device: torch.device) -> Tensor:
-    """MAC's visibility [S, 2S] over [h || x]: query i sees h_j and x_j for j <= i."""
-    causal = sliding_window_mask(0, length, length, device)  # [S, S] lower triangle
-    return torch.cat((causal, causal), dim=1)
 
 
 Rotary = tuple[Tensor, Tensor]  # cos, sin [T, D/2] (``hope.layers.rotary_tables``)
@@ -65,7 +64,7 @@ class SegmentView:
     kv_weight: Tensor  # [2d, d]: the k and v rows of the fused projection
     p_scores: Tensor | None  # [B, H, S, N_p]: scaled scores with P's keys
     p_values: Tensor | None  # [1, H, N_p, D]: P's values
-    hidden: Tensor  # [S, 2S]: ~``segment_mask``, the pairs a query must not see
+    hidden: Tensor  # [S, 2S]: ~``segment_visibility``, the pairs a query must not see
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ class SegmentContext:
     def segment(self, index: int) -> SegmentView:
         length = self.q_rot[index].shape[2]
         full = self.hidden.shape[0] == length
-        hidden = self.hidden if full else ~segment_mask(length, self.hidden.device)
+        hidden = self.hidden if full else ~segment_visibility(length, self.hidden.device)
         p_scores = None if self.p_scores is None else self.p_scores[index]
         return SegmentView(
             self.q_rot[index], self.k[index], self.v[index], self.rotary[index],
@@ -168,18 +167,8 @@ class PersistentAttention(CausalSelfAttention):
     def _attend(
         self, q_rot: Tensor, k: Tensor, values: Tensor, hidden: Tensor, p_scores: Tensor | None
     ) -> Tensor:
-        """Softmax over [P || context]: q_rot [B,H,T,D] scaled by 1/sqrt(D), k [B,H,K,D],
-        values [B,H,N_p+K,D] (P's first when ``p_scores`` [B,H,T,N_p] is given),
-        hidden [T, K] or [B, 1, T, K] (True: not visible) -> [B, T, d]."""
-        scores = torch.einsum("bhtd,bhkd->bhtk", q_rot, k)
-        scores = scores.masked_fill(hidden, float("-inf"))
-        if p_scores is not None:
-            scores = torch.cat((p_scores, scores), dim=-1)
-        # Softmax in at least fp32 (bf16 autocast), in fp64 for fp64 checks.
-        work = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
-        probs = torch.softmax(scores, dim=-1, dtype=work).to(values.dtype)
-        y = torch.einsum("bhtk,bhkd->bthd", probs, values)
-        return self.out(y.flatten(2))
+        """W_o of ``masked_attention`` (softmax over [P || context]) -> [B, T, d]."""
+        return self.out(masked_attention(q_rot, k, values, hidden, p_scores).flatten(2))
 
     def forward(self, x: Tensor, cache: KVCache | None, pos: int) -> tuple[Tensor, KVCache]:
         """Sliding-window attention over [P || cache || x]; x [B, T, d] at pos.. -> y, cache."""
@@ -219,7 +208,7 @@ class PersistentAttention(CausalSelfAttention):
             self.qkv.weight[x.shape[2]:],
             None if p_scores is None else p_scores.split(segment, dim=2),
             None if persistent is None else persistent[1],
-            ~segment_mask(segment, x.device),
+            ~segment_visibility(segment, x.device),
         )  # fmt: skip
 
     def attend_segment(self, segment: SegmentView, memory_tokens: Tensor) -> Tensor:
@@ -230,6 +219,10 @@ class PersistentAttention(CausalSelfAttention):
         with x_j see the same relative distance.
         """
         k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary, segment.kv_weight)
+        if resolve_backend(None) == "fused":  # one operator each way, the mask implicit
+            y = segment_attention(segment.q_rot, k_h, v_h, segment.k, segment.v,
+                                  segment.p_scores, segment.p_values)  # fmt: skip
+            return self.out(y.flatten(2))
         k = torch.cat((k_h, segment.k), dim=2)
         parts = [v_h, segment.v]
         if segment.p_values is not None:

@@ -12,6 +12,7 @@ makes after its kernel (``EXTRA_LAUNCHES``), so a CPU's launch count
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,13 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     "hope::titans_chunk_rates": dict.fromkeys(
         ("theta", "eta", "alpha", "curvature", "coupling"), ALL
     ),
+    # the outputs' gradients (any layout autograd hands over) through their strides
+    "hope::titans_heads_backward": {"grads": dict.fromkeys(range(7), ALL)},
+    # q, k, v: slices of the call's projections, h's keys and values views of theirs
+    "hope::segment_attention": dict.fromkeys(
+        ("q", "k_mem", "v_mem", "k_seg", "v_seg", "p_scores", "p_values"), ALL
+    ),
+    "hope::segment_attention_backward": {"inputs": dict.fromkeys(range(7), ALL), "grad": ALL},
     "hope::titans_chunk_rates_backward": dict.fromkeys(
         ("theta", "eta", "alpha", "curvature", "coupling", "g_keep", "g_weights", "g_rate"), ALL
     ),
@@ -42,8 +50,14 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
 
 
 # Operator -> the launches its CUDA wrapper makes after its kernel, whatever the layouts
-# (the RMSNorm backward sums its blocks' shares of the weight's gradient).
-EXTRA_LAUNCHES: dict[str, int] = {"hope::rms_norm_backward": 1}
+# (the RMSNorm backward sums its blocks' shares of the weight's gradient, the Titans
+# heads' backward the conv weight's per-sample gradients, the segment attention's
+# backward P's values' per-sample gradients, when P is given: its inputs' slot 6).
+EXTRA_LAUNCHES: dict[str, int | Callable[[dict[str, Any]], int]] = {
+    "hope::rms_norm_backward": 1,
+    "hope::titans_heads_backward": 1,
+    "hope::segment_attention_backward": lambda values: int(values["inputs"][6] is not None),
+}
 
 
 def dense_below(t: torch.Tensor, leading: int) -> bool:
@@ -88,4 +102,8 @@ def wrapper_launches(
     that is not a ``hope::`` operator)."""
     if func.namespace != "hope":
         return 0
-    return dense_copies(func, args, kwargs) + EXTRA_LAUNCHES.get(func._schema.name, 0)
+    extra = EXTRA_LAUNCHES.get(func._schema.name, 0)
+    if callable(extra):
+        names = [argument.name for argument in func._schema.arguments]
+        extra = extra(dict(zip(names, args, strict=False)) | kwargs)
+    return dense_copies(func, args, kwargs) + extra
