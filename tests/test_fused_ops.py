@@ -737,7 +737,9 @@ FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
         ("hope", {"smt_adaptive_q": True, "smt_mem_chunk": 8}),
         ("hope", FROZEN),
         ("titans_mac", {}),
+        ("titans_mac", {"titans_persistent": 0, "titans_chunk": 10}),
         ("titans_mag", {}),
+        ("titans_lmm", {"titans_depth": 3}),
         ("transformer", {}),
     ],
     ids=[
@@ -745,7 +747,9 @@ FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
         "hope-adaptive_q-one_group",
         "hope-frozen_reads",
         "titans_mac",
+        "titans_mac-no_persistent-partial_segment",
         "titans_mag",
+        "titans_lmm-depth3",
         "transformer",
     ],
 )
@@ -753,7 +757,10 @@ def test_fused_backend_trains_a_model_to_the_same_loss_and_gradients(
     variant: str, extra: dict[str, int]
 ) -> None:
     """HOPE (its SMT writes through the operator; the frozen-read mode's masked copies
-    too), Titans (its momentum write through ``hope::momentum_chunk``) and the
+    too), Titans (its heads, step sizes and momentum write through ``hope::titans_heads``,
+    ``hope::titans_chunk_rates`` and ``hope::momentum_chunk``; MAC's segment attention
+    through ``hope::segment_attention``, also without P and with a partial last segment;
+    a depth-3 memory's steps) and the
     transformer (its norms and rotary embedding through ``hope::rms_norm`` and
     ``hope::rotary``) under ``fused`` equal ``torch`` in float64."""
     shape = {"dim": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 64, "cms_periods": [4, 16],

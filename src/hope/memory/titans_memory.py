@@ -224,7 +224,7 @@ class NeuralMemory(nn.Module):
     ) -> tuple[Tensor, NeuralMemoryState]:
         """``forward`` before the output projection: x [B, T, d] -> (the reads M*(q)
         [B, H, T, d_h], new state)."""
-        batch, seq, dim = x.shape
+        batch, seq, _ = x.shape
         if state is None:
             state = self.init_state(batch)
         backend = resolve_backend(backend)

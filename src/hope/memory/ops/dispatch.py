@@ -35,7 +35,9 @@ Backends:
   (``memory/smt_fused.py``: ``smt_step.py``), the CMS dual form's chunk scan
   (``cms_dual``: ``cms_factor_scan.py``), the normalisation ``unit_rows``
   (``pointwise.py``), every RMSNorm (``rms_normalized``: ``rms_norm.py``) and rotary
-  embedding (``rotated``: ``rotary.py``). The other
+  embedding (``rotated``: ``rotary.py``); the Titans memory's heads and gates
+  (``titans_heads.py``, called by ``memory/titans_memory.py``) and MAC's segment attention
+  (``segment_attention.py``, called by ``model/sliding_attention.py``). The other
   writes (SMT with momentum or without preconditioning) run the ``"torch"`` closed
   form; on CUDA it needs Triton (shipped with CUDA builds of torch), refused when the
   default is set otherwise.
