@@ -23,7 +23,10 @@ from torch import Tensor
 
 
 def segment_visibility(length: int, device: torch.device) -> Tensor:
-    """MAC's visibility [S, 2S] over [h || x]: query i sees h_j and x_j for j <= i."""
+    """MAC's visibility [S, 2S] over [h || x]: query i sees h_j and x_j for j <= i.
+
+    A deviation (docs/FAITHFULNESS.md): Ti eq. 22 attends to all of h; h_j reads the
+    memory at token j's query, so a query before j seeing it would see the future."""
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     return torch.cat((causal, causal), dim=1)
 
@@ -112,7 +115,8 @@ def segment_attention(
     p_scores: Tensor | None,
     p_values: Tensor | None,
 ) -> Tensor:
-    """``segment_attention_reference`` in one launch."""
+    """``segment_attention_reference`` in one launch, with the visibility (a deviation,
+    docs/FAITHFULNESS.md) of ``segment_visibility``."""
     if q.device.type == "cuda":
         from hope.memory.ops.triton_segment_attention import segment_attention_triton
 
