@@ -866,10 +866,12 @@ def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, flo
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 236) -> None:
+def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 243) -> None:
     assert len(errors) == count
     for name, err in errors.items():
-        assert err < (1e-13 if "float64" in name else fp32_tol), (name, err)
+        # bf16 outputs: a few bf16 ulps (2^-8 each) of the largest value
+        limit = 1e-13 if "float64" in name else 2e-2 if "bfloat16" in name else fp32_tol
+        assert err < limit, (name, err)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is installed with the dev extra")
@@ -910,4 +912,4 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
     # float32 only: what training runs, and half the kernels to compile (the interpreter
     # covers float64), so gpu_check's parity part stays within its limit.
-    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=118)
+    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=125)

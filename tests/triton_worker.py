@@ -565,6 +565,64 @@ def segment_attention_errors(dtype: torch.dtype, device: str) -> dict[str, float
     return errors
 
 
+def bf16_errors(device: str) -> dict[str, float]:
+    """The Titans kernels on bf16 inputs (what autocast hands them: the gates, heads and
+    attention inputs; fp32 curvature, kernel bound and conv weight), against the PyTorch
+    forms in float32 on the same values: the kernels compute in float32 and store bf16."""
+    gen = torch.Generator().manual_seed(11)
+
+    def rand(*shape: int, low: float = 0.0, span: float = 0.0) -> torch.Tensor:
+        x = (
+            torch.randn(*shape, generator=gen)
+            if not span
+            else low + span * torch.rand(*shape, generator=gen)
+        )
+        return x.to(device)
+
+    def up(xs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(x.float() if isinstance(x, torch.Tensor) else x for x in xs)
+
+    bf = torch.bfloat16
+    theta, eta, alpha = (rand(2, 3, 20, low=lo, span=0.4).to(bf) for lo in (0.1, 0.5, 0.0))
+    act = rand(2, 3, 20, 16)
+    rates_in = (theta, eta, alpha, 40 * rand(2, 3, 20, span=1.0), (act @ act.mT).abs())
+    rates_grads = tuple(rand(2, 3, 20).to(bf) for _ in range(3))
+    heads_in = (rand(2, 19, 36).to(bf), rand(2, 3, 36), rand(36, 4), rand(2, 19, 6).to(bf))
+    heads_out = titans_heads_reference(*up(heads_in), 2)
+    heads_grads = [rand(*o.shape).to(bf) for o in heads_out]
+    attn_in = (*(rand(2, 2, 21, 16).to(bf) for _ in range(5)), rand(2, 2, 21, 4).to(bf),
+               rand(1, 2, 4, 16).to(bf))  # fmt: skip
+    attn_grad = rand(2, 21, 2, 16).to(bf)
+    pairs = {
+        "rates_forward": (
+            titans_chunk_rates_triton(*rates_in),
+            chunk_rates_reference(*up(rates_in)),
+        ),
+        "rates_backward": (
+            titans_chunk_rates_backward_triton(rates_in, *rates_grads),
+            chunk_rates_backward_reference(up(rates_in), *up(rates_grads)),
+        ),
+        "end_weights_backward": (
+            chunk_end_weights_backward_triton(eta, 1 - alpha, rates_grads[0]),
+            chunk_end_weights_backward_reference(*up((eta, 1 - alpha, rates_grads[0]))),
+        ),
+        "heads_forward": (titans_heads_triton(*heads_in, 2), heads_out),
+        "heads_backward": (
+            titans_heads_backward_triton(heads_in, 2, list(heads_grads)),
+            titans_heads_backward_reference(up(heads_in), 2, up(tuple(heads_grads))),
+        ),
+        "attention_forward": (
+            (segment_attention_triton(*attn_in),),
+            (segment_attention_reference(*up(attn_in)),),
+        ),
+        "attention_backward": (
+            segment_attention_backward_triton(attn_in, attn_grad),
+            segment_attention_backward_reference(up(attn_in), attn_grad.float()),
+        ),
+    }
+    return {f"bfloat16_{name}": worst(up(got), want) for name, (got, want) in pairs.items()}
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
@@ -616,7 +674,7 @@ def main(
             errors[f"bounded_{str(dtype).removeprefix('torch.')}_C{c}"] = worst(
                 bounded_step_triton(kernel, step), bounded
             )
-    return errors
+    return errors | bf16_errors(device)
 
 
 if __name__ == "__main__":

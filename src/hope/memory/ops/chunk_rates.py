@@ -146,7 +146,7 @@ def _(
     g_weights: Tensor | None,
     g_rate: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return tuple(theta.new_empty(theta.shape) for _ in range(4))  # type: ignore[return-value]
+    return tuple(t.new_empty(theta.shape) for t in (theta, eta, alpha, curvature))  # type: ignore[return-value]
 
 
 def _setup(ctx: Any, inputs: tuple[Tensor, ...], output: tuple[Tensor, ...]) -> None:

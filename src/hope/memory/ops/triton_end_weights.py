@@ -46,21 +46,30 @@ def end_weight_grads(terms, weights, g, eta, keep, t, C):
 @triton.jit
 def _end_weights(eta_ptr, keep_ptr, g_ptr, w_out, d_eta_out, d_keep_out, C, H,
                  s_eta_b, s_eta_h, s_eta_c, s_keep_b, s_keep_h, s_keep_c,
-                 s_g_b, s_g_h, s_g_c, CP: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
+                 s_g_b, s_g_h, s_g_c, CP: tl.constexpr, BACKWARD: tl.constexpr,
+                 ACC: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)
     b, h = bh // H, bh % H
     t = tl.arange(0, CP)
     live = t < C
-    eta = tl.load(eta_ptr + b * s_eta_b + h * s_eta_h + t * s_eta_c, mask=live, other=1.0)
+    at_eta = eta_ptr + b * s_eta_b + h * s_eta_h + t * s_eta_c
+    eta = tl.load(at_eta, mask=live, other=1.0).to(ACC)
     keep = tl.load(keep_ptr + b * s_keep_b + h * s_keep_h + t * s_keep_c, mask=live, other=1.0)
+    keep = keep.to(ACC)
     terms, weights = end_terms(eta, keep, t, C)
     if BACKWARD:
-        g = tl.load(g_ptr + b * s_g_b + h * s_g_h + t * s_g_c, mask=live, other=0.0)
+        g = tl.load(g_ptr + b * s_g_b + h * s_g_h + t * s_g_c, mask=live, other=0.0).to(ACC)
         d_eta, d_keep = end_weight_grads(terms, weights, g, eta, keep, t, C)
         tl.store(d_eta_out + bh * C + t, d_eta, mask=live)
         tl.store(d_keep_out + bh * C + t, d_keep, mask=live)
     else:
         tl.store(w_out + bh * C + t, weights, mask=live)
+
+
+def compute_dtype(t: Tensor) -> tl.dtype:
+    """float32 (bf16 and fp16 inputs under autocast too: ``tl.log`` and ``tl.exp`` take
+    fp32/fp64 only), float64 for float64 inputs."""
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
 def _launch(eta: Tensor, keep: Tensor, grad: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -70,7 +79,7 @@ def _launch(eta: Tensor, keep: Tensor, grad: Tensor | None) -> tuple[Tensor, Ten
     g = eta if grad is None else grad
     _end_weights[(batch * heads,)](
         eta, keep, g, out, out, other, c, heads, *eta.stride(), *keep.stride(), *g.stride(),
-        CP=max(16, triton.next_power_of_2(c)), BACKWARD=grad is not None,
+        CP=max(16, triton.next_power_of_2(c)), BACKWARD=grad is not None, ACC=compute_dtype(eta),
     )  # fmt: skip
     return out, other
 

@@ -114,7 +114,7 @@ def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Ten
     y = q.new_empty(batch, length, heads, dim) if grad is None else q
     outs: list[Tensor] = [y]
     if grad is not None:
-        outs = [q.new_empty(batch, heads, length, dim) for _ in range(5)]
+        outs = [t.new_empty(batch, heads, length, dim) for t in (q, k_mem, v_mem, k_seg, v_seg)]
         if p_scores is not None and p_values is not None:
             outs += [p_scores.new_empty(batch, heads, length, n_p),
                      p_values.new_empty(batch, heads, n_p, dim)]  # fmt: skip
