@@ -566,9 +566,10 @@ def segment_attention_errors(dtype: torch.dtype, device: str) -> dict[str, float
 
 
 def bf16_errors(device: str) -> dict[str, float]:
-    """The Titans kernels on bf16 inputs (what autocast hands them: the gates, heads and
-    attention inputs; fp32 curvature, kernel bound and conv weight), against the PyTorch
-    forms in float32 on the same values: the kernels compute in float32 and store bf16."""
+    """The Titans kernels and the L2 normalisation on bf16 inputs (what autocast hands
+    them: the gates, heads, attention inputs and MAC's retrieval queries; fp32 curvature,
+    kernel bound and conv weight), against the PyTorch forms in float32 on the same
+    values: the kernels compute in float32 and store bf16."""
     gen = torch.Generator().manual_seed(11)
 
     def rand(*shape: int, low: float = 0.0, span: float = 0.0) -> torch.Tensor:
@@ -593,7 +594,16 @@ def bf16_errors(device: str) -> dict[str, float]:
     attn_in = (*(rand(2, 2, 21, 16).to(bf) for _ in range(5)), rand(2, 2, 21, 4).to(bf),
                rand(1, 2, 4, 16).to(bf))  # fmt: skip
     attn_grad = rand(2, 21, 2, 16).to(bf)
+    rows, rows_grad = rand(2, 3, 7, 24).to(bf), rand(2, 3, 7, 24).to(bf)
     pairs = {
+        "normalize_forward": (
+            (l2_normalize_triton(rows),),
+            (torch.nn.functional.normalize(rows.float(), dim=-1),),
+        ),
+        "normalize_backward": (
+            (l2_normalize_backward_triton(rows, rows_grad),),
+            (l2_normalize_backward_reference(rows.float(), rows_grad.float()),),
+        ),
         "rates_forward": (
             titans_chunk_rates_triton(*rates_in),
             chunk_rates_reference(*up(rates_in)),

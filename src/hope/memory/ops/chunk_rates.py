@@ -17,6 +17,7 @@ stabiliser, like gradient clipping):
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -58,13 +59,21 @@ def chunk_step_cap(kernel: Tensor, end_weights: Tensor) -> Tensor:
     return (1.0 / rho.clamp_min(1.0)).unsqueeze(-1)
 
 
+def rates_dtype(*vectors: Tensor) -> torch.dtype:
+    """The outputs' dtype: the promotion of the gates' and the curvature's (under autocast
+    bf16 gates and an fp32 curvature give fp32 rates, as the PyTorch ops would)."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in vectors))
+
+
 def chunk_rates_reference(
     theta: Tensor, eta: Tensor, alpha: Tensor, curvature: Tensor, coupling: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(keep = 1 - alpha, w = ``momentum_chunk_weights(eta, keep)``, the inner steps
     theta_max theta / max(1, lambda)) [B, H, C] of one chunk, from its gates theta, eta,
     alpha [B, H, C], its curvature bound lambda [B, H, C] and kernel bound [B, H, C, C]
-    (``chunk_step_cap``), in PyTorch ops."""
+    (``chunk_step_cap``), in PyTorch ops, in their common dtype (``rates_dtype``)."""
+    dtype = rates_dtype(theta, eta, alpha, curvature)
+    theta, eta, alpha, curvature = (t.to(dtype) for t in (theta, eta, alpha, curvature))
     keep = 1.0 - alpha
     weights = momentum_chunk_weights(eta, keep)
     rate = chunk_step_cap(coupling, weights) * theta / curvature.clamp_min(1.0)
@@ -87,13 +96,15 @@ def chunk_rates_backward_reference(
     if g_weights is not None:
         d_eta, d_keep = chunk_end_weights_backward_reference(eta, keep, g_weights)
         d_alpha = d_alpha - d_keep
-    if g_rate is None:
-        return torch.zeros_like(theta), d_eta, d_alpha, torch.zeros_like(curvature)
-    cap = chunk_step_cap(coupling, momentum_chunk_weights(eta, keep))
-    bounded = curvature.clamp_min(1.0)
-    d_theta = g_rate * cap / bounded
-    d_curvature = torch.where(curvature >= 1.0, -d_theta * theta / bounded, 0.0)
-    return d_theta, d_eta, d_alpha, d_curvature
+    d_theta, d_curvature = torch.zeros_like(theta), torch.zeros_like(curvature)
+    if g_rate is not None:
+        cap = chunk_step_cap(coupling, momentum_chunk_weights(eta, keep))
+        bounded = curvature.clamp_min(1.0)
+        d_theta = g_rate * cap / bounded
+        d_curvature = torch.where(curvature >= 1.0, -d_theta * theta / bounded, 0.0)
+    grads = (d_theta, d_eta, d_alpha, d_curvature)
+    # each in its input's dtype, as the operator declares them
+    return tuple(g.to(t.dtype) for g, t in zip(grads, inputs, strict=False))  # type: ignore[return-value]
 
 
 @torch.library.custom_op("hope::titans_chunk_rates", mutates_args=())
@@ -112,7 +123,8 @@ def titans_chunk_rates(
 def _(
     theta: Tensor, eta: Tensor, alpha: Tensor, curvature: Tensor, coupling: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(theta.new_empty(theta.shape) for _ in range(3))  # type: ignore[return-value]
+    dtype = rates_dtype(theta, eta, alpha, curvature)
+    return tuple(theta.new_empty(theta.shape, dtype=dtype) for _ in range(3))  # type: ignore[return-value]
 
 
 @torch.library.custom_op("hope::titans_chunk_rates_backward", mutates_args=())

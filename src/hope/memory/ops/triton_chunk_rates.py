@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hope.memory.ops.chunk_rates import rates_dtype
 from hope.memory.ops.triton_end_weights import compute_dtype, end_terms, end_weight_grads
 from hope.memory.ops.triton_kernels import overshoot_of
 
@@ -82,10 +83,13 @@ def _launch(
     batch, heads, c = theta.shape
     given = (None, None, None) if grads is None else grads
     g_keep, g_weights, g_rate = (theta if g is None else g for g in given)
-    # forward: keep, weights, rates in theta's dtype; backward: each input's gradient in
-    # that input's dtype
-    like = (theta,) * 3 if grads is None else (theta, eta, alpha, curvature)
-    outs = [t.new_empty(batch, heads, c) for t in like]
+    # forward: keep, weights and rates in the inputs' common dtype; backward: each input's
+    # gradient in that input's dtype
+    if grads is None:
+        dtype = rates_dtype(theta, eta, alpha, curvature)
+        outs = [theta.new_empty(batch, heads, c, dtype=dtype) for _ in range(3)]
+    else:
+        outs = [t.new_empty(batch, heads, c) for t in (theta, eta, alpha, curvature)]
     vectors = (theta, eta, alpha, curvature, coupling, g_keep, g_weights, g_rate)
     strides = [s for v in vectors for s in v.stride()]
     _chunk_rates[(batch * heads,)](

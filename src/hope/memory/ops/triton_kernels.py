@@ -262,15 +262,17 @@ def _bounded_step(kernel_ptr, step_ptr, gain_ptr, bounded_ptr, C, GH, HS, CP: tl
 
 @triton.jit
 def _normalize(x_ptr, g_ptr, out_ptr, R, D, DP: tl.constexpr, ROWS: tl.constexpr,
-               EPS: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
+               EPS: tl.constexpr, UPCAST: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, DP)
     x = load_tile(x_ptr, r, c, R, D, D)
+    if UPCAST:  # half precision in (autocast), fp32 arithmetic: tl.sqrt takes fp32/fp64
+        x = x.to(tl.float32)
     norm = tl.sqrt(tl.sum(x * x, 1))
     scale = tl.maximum(norm, EPS)
     y = x / scale[:, None]
     if BACKWARD:  # dx = (g - y <y, g>) / scale, the projection only where not clamped
-        g = load_tile(g_ptr, r, c, R, D, D)
+        g = load_tile(g_ptr, r, c, R, D, D).to(x.dtype)
         along = tl.where(norm >= EPS, tl.sum(y * g, 1), 0.0)
         y = (g - y * along[:, None]) / scale[:, None]
     store_tile(out_ptr, y, r, c, R, D, D)
@@ -284,7 +286,7 @@ def _normalize_launch(x: Tensor, grad: Tensor | None) -> Tensor:
     block = 16
     _normalize[(triton.cdiv(rows.shape[0], block),)](
         rows, g, out, rows.shape[0], d, DP=triton.next_power_of_2(d), ROWS=block,
-        EPS=1e-12, BACKWARD=grad is not None,
+        EPS=1e-12, UPCAST=x.dtype in (torch.float16, torch.bfloat16), BACKWARD=grad is not None,
     )  # fmt: skip
     return out.view_as(x)
 
