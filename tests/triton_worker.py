@@ -566,10 +566,10 @@ def segment_attention_errors(dtype: torch.dtype, device: str) -> dict[str, float
 
 
 def bf16_errors(device: str) -> dict[str, float]:
-    """The Titans kernels and the L2 normalisation on bf16 inputs (what autocast hands
-    them: the gates, heads, attention inputs and MAC's retrieval queries; fp32 curvature,
-    kernel bound and conv weight), against the PyTorch forms in float32 on the same
-    values: the kernels compute in float32 and store bf16."""
+    """The Titans kernels, the L2 normalisation and the CMS scan on bf16 inputs (what
+    autocast hands them: the gates, heads, attention inputs, MAC's retrieval queries, the
+    CMS activations; fp32 curvature, kernel bound and conv weight), against the PyTorch
+    forms in float32 on the same values: the kernels compute in float32, store bf16."""
     gen = torch.Generator().manual_seed(11)
 
     def rand(*shape: int, low: float = 0.0, span: float = 0.0) -> torch.Tensor:
@@ -595,7 +595,18 @@ def bf16_errors(device: str) -> dict[str, float]:
                rand(1, 2, 4, 16).to(bf))  # fmt: skip
     attn_grad = rand(2, 21, 2, 16).to(bf)
     rows, rows_grad = rand(2, 3, 7, 24).to(bf), rand(2, 3, 7, 24).to(bf)
+    earlier = (torch.arange(20)[:, None] // 4 > torch.arange(16)[None, :] // 4).to(device)
+    scan_in = (
+        rand(2, 20, 24).to(bf),
+        rand(2, 20, 24).to(bf),  # block-causal scores
+        (0.25 * rand(2, 20, 16) * earlier).to(bf),
+        (0.25 * rand(2, 20, 16) * earlier).to(bf),
+    )
     pairs = {
+        "cms_scan": (
+            cms_factor_scan_triton(*scan_in, 4),
+            cms_factor_scan_reference(*up(scan_in), 4),
+        ),
         "normalize_forward": (
             (l2_normalize_triton(rows),),
             (torch.nn.functional.normalize(rows.float(), dim=-1),),

@@ -15,8 +15,8 @@ import triton.language as tl
 from torch import Tensor
 
 from hope.memory.ops.chunk_rates import rates_dtype
-from hope.memory.ops.triton_end_weights import compute_dtype, end_terms, end_weight_grads
-from hope.memory.ops.triton_kernels import overshoot_of
+from hope.memory.ops.triton_end_weights import end_terms, end_weight_grads
+from hope.memory.ops.triton_kernels import compute_dtype, overshoot_of
 
 
 @triton.jit

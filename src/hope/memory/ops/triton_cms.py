@@ -12,20 +12,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import load_tile, store_tile
+from hope.memory.ops.triton_kernels import compute_dtype, load_tile, store_tile
 from hope.memory.ops.triton_pass import gelu, pad_size, slope_of
 
 
 @triton.jit
 def _scores_times(scores_ptr, rows, factor_ptr, hb, before, F, HID, BLOCK_R: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+                  BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, DOT: tl.constexpr,
+                  ACC: tl.constexpr):  # fmt: skip
     """Σ_{s < before} scores[rows, s] factor[s, hb] -> [BLOCK_R, BLOCK_H]."""
-    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=scores_ptr.dtype.element_ty)
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=ACC)
     for s0 in range(0, before, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         mask = (rows[:, None] >= 0) & (s[None, :] < before)
         scores = tl.load(scores_ptr + rows[:, None] * F + s[None, :], mask=mask, other=0.0)
-        factor = load_tile(factor_ptr, s, hb, before, HID, HID)
+        scores = scores.to(ACC)
+        factor = load_tile(factor_ptr, s, hb, before, HID, HID).to(ACC)
         acc += tl.dot(scores, factor, input_precision=DOT)
     return acc
 
@@ -33,7 +35,7 @@ def _scores_times(scores_ptr, rows, factor_ptr, hb, before, F, HID, BLOCK_R: tl.
 @triton.jit
 def _cms_scan(pre0_ptr, back0_ptr, ks_ptr, ts_ptr, hidden_ptr, back_ptr, ROWS, F, HID, CHUNK,
               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-              DOT: tl.constexpr):  # fmt: skip
+              DOT: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pre0_ptr += b * ROWS * HID
@@ -46,13 +48,13 @@ def _cms_scan(pre0_ptr, back0_ptr, ks_ptr, ts_ptr, hidden_ptr, back_ptr, ROWS, F
         for r0 in range(0, CHUNK, BLOCK_R):
             rows = start + r0 + tl.arange(0, BLOCK_R)
             end = tl.minimum(start + CHUNK, F)
-            pre = load_tile(pre0_ptr, rows, hb, end, HID, HID)
+            pre = load_tile(pre0_ptr, rows, hb, end, HID, HID).to(ACC)
             pre += _scores_times(ks_ptr, tl.where(rows < end, rows, 0), back_ptr, hb, start, F,
-                                 HID, BLOCK_R, BLOCK_H, BLOCK_S, DOT)  # fmt: skip
+                                 HID, BLOCK_R, BLOCK_H, BLOCK_S, DOT, ACC)  # fmt: skip
             store_tile(hidden_ptr, gelu(pre), rows, hb, end, HID, HID)
-            signal = load_tile(back0_ptr, rows, hb, end, HID, HID)
+            signal = load_tile(back0_ptr, rows, hb, end, HID, HID).to(ACC)
             signal += _scores_times(ts_ptr, tl.where(rows < end, rows, 0), hidden_ptr, hb, start,
-                                    F, HID, BLOCK_R, BLOCK_H, BLOCK_S, DOT)  # fmt: skip
+                                    F, HID, BLOCK_R, BLOCK_H, BLOCK_S, DOT, ACC)  # fmt: skip
             store_tile(back_ptr, signal * slope_of(pre), rows, hb, end, HID, HID)
         tl.debug_barrier()  # the next chunk reads these rows' factors
 
@@ -71,5 +73,6 @@ def cms_factor_scan_triton(
         pre_0.contiguous(), back_0.contiguous(), key_scores.contiguous(),
         teach_scores.contiguous(), hidden, back, rows, fired, hid, chunk,
         BLOCK_R=min(32, pad_size(chunk)), BLOCK_H=block_h, BLOCK_S=32, DOT="ieee",
+        ACC=compute_dtype(pre_0),  # bf16 activations under autocast: erf/exp take fp32
     )  # fmt: skip
     return hidden, back

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hope.memory.ops.triton_kernels import compute_dtype
+
 
 @triton.jit
 def end_terms(eta, keep, t, C):
@@ -64,12 +66,6 @@ def _end_weights(eta_ptr, keep_ptr, g_ptr, w_out, d_eta_out, d_keep_out, C, H,
         tl.store(d_keep_out + bh * C + t, d_keep, mask=live)
     else:
         tl.store(w_out + bh * C + t, weights, mask=live)
-
-
-def compute_dtype(t: Tensor) -> tl.dtype:
-    """float32 (bf16 and fp16 inputs under autocast too: ``tl.log`` and ``tl.exp`` take
-    fp32/fp64 only), float64 for float64 inputs."""
-    return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
 def _launch(eta: Tensor, keep: Tensor, grad: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from hope.memory.ops.triton_kernels import compute_dtype
+
 _EPS = tl.constexpr(1e-12)  # F.normalize's
 
 
@@ -191,15 +193,14 @@ def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, gq_ptr, gk_ptr, gv_ptr, gth_p
 _BLOCK_TOKENS = 16  # tokens per loop step of a program
 
 
-def _compute_dtype(pre: Tensor) -> torch.dtype:
-    """float32, float64 for float64 inputs (the scratch dy's dtype too)."""
+def _scratch_dtype(pre: Tensor) -> torch.dtype:
+    """The scratch dy's dtype: the kernels' compute dtype (``compute_dtype``)."""
     return torch.float64 if pre.dtype == torch.float64 else torch.float32
 
 
 def _constants(d_head: int, window: int, pre: Tensor) -> dict[str, Any]:
-    acc = tl.float64 if _compute_dtype(pre) == torch.float64 else tl.float32
     return {"DH": d_head, "DP": triton.next_power_of_2(d_head), "W": window,
-            "BT": _BLOCK_TOKENS, "ACC": acc}  # fmt: skip
+            "BT": _BLOCK_TOKENS, "ACC": compute_dtype(pre)}  # fmt: skip
 
 
 def titans_heads_triton(
@@ -229,7 +230,7 @@ def titans_heads_backward_triton(
     batch, length, width = pre.shape
     d_head, window = width // (3 * heads), weight.shape[1]
     given = [pre if g is None else g for g in grads]
-    dy = torch.empty(batch, length, width, dtype=_compute_dtype(pre), device=pre.device)
+    dy = torch.empty(batch, length, width, dtype=_scratch_dtype(pre), device=pre.device)
     d_pre, d_tail, d_gate = (torch.empty_like(t) for t in (pre, tail, gate_pre))
     d_w = torch.empty(batch, width, window, dtype=weight.dtype, device=pre.device)
     strides = [s for g in given[:3] for s in _strides(g, 4)]

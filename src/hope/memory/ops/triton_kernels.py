@@ -36,6 +36,12 @@ import triton.language as tl
 from torch import Tensor
 
 
+def compute_dtype(t: Tensor) -> tl.dtype:
+    """float32 (bf16 and fp16 inputs under autocast too: ``tl.log`` and ``tl.exp`` take
+    fp32/fp64 only), float64 for float64 inputs."""
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
 # A [rows, cols] tile of a row-major matrix with n_rows x n_cols live entries (zeros
 # outside), and its masked store; shared by every kernel of the fused backend.
 @triton.jit

@@ -16,10 +16,11 @@ Tested on a CPU with ``TRITON_INTERPRET=1`` (tests/test_fused_ops.py).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from hope.memory.ops.triton_kernels import compute_dtype
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Ten
         SP=max(16, triton.next_power_of_2(length)), DP=max(16, triton.next_power_of_2(dim)),
         PP=max(16, triton.next_power_of_2(max(n_p, 1))), HAS_P=n_p > 0,
         BACKWARD=grad is not None, DOT="ieee",
-        ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
+        ACC=compute_dtype(q),
     )  # fmt: skip
     if grad is None:
         return (y,)
