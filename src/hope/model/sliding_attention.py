@@ -32,6 +32,7 @@ from hope.memory.ops.dispatch import resolve_backend, rotated
 from hope.memory.ops.segment_attention import (
     masked_attention,
     segment_attention,
+    segment_keys,
     segment_visibility,
 )
 from hope.model.attention import CausalSelfAttention, KVCache, extend_valid
@@ -223,9 +224,5 @@ class PersistentAttention(CausalSelfAttention):
             y = segment_attention(segment.q_rot, k_h, v_h, segment.k, segment.v,
                                   segment.p_scores, segment.p_values)  # fmt: skip
             return self.out(y.flatten(2))
-        k = torch.cat((k_h, segment.k), dim=2)
-        parts = [v_h, segment.v]
-        if segment.p_values is not None:
-            parts.insert(0, segment.p_values.expand(v_h.shape[0], -1, -1, -1))
-        values = torch.cat(parts, dim=2)
+        k, values = segment_keys(k_h, v_h, segment.k, segment.v, segment.p_values)
         return self._attend(segment.q_rot, k, values, segment.hidden, segment.p_scores)

@@ -47,9 +47,10 @@ def masked_attention(
     return torch.einsum("bhtk,bhkd->bthd", probs, values)
 
 
-def _segment_keys(
+def segment_keys(
     k_mem: Tensor, v_mem: Tensor, k_seg: Tensor, v_seg: Tensor, p_values: Tensor | None
 ) -> tuple[Tensor, Tensor]:
+    """A segment's keys [h || x] and values [P || h || x] along the tokens."""
     keys = torch.cat((k_mem, k_seg), dim=2)
     parts = [v_mem, v_seg]
     if p_values is not None:
@@ -69,7 +70,7 @@ def segment_attention_reference(
     """y [B, S, H, D] of one segment: q [B, H, S, D] (rotated, scaled), the memory
     tokens' and the segment's keys and values [B, H, S, D] each, P's scores with the
     queries [B, H, S, N_p] and P's values [1, H, N_p, D] (both or neither)."""
-    keys, values = _segment_keys(k_mem, v_mem, k_seg, v_seg, p_values)
+    keys, values = segment_keys(k_mem, v_mem, k_seg, v_seg, p_values)
     hidden = ~segment_visibility(q.shape[2], q.device)
     return masked_attention(q, keys, values, hidden, p_scores).contiguous()
 
@@ -83,7 +84,7 @@ def segment_attention_backward_reference(
     q, k_mem, v_mem, k_seg, v_seg, p_scores, p_values = inputs
     assert q is not None and k_mem is not None and v_mem is not None
     assert k_seg is not None and v_seg is not None
-    keys, values = _segment_keys(k_mem, v_mem, k_seg, v_seg, p_values)
+    keys, values = segment_keys(k_mem, v_mem, k_seg, v_seg, p_values)
     length, n_p = q.shape[2], 0 if p_scores is None else p_scores.shape[-1]
     scores = torch.einsum("bhtd,bhkd->bhtk", q, keys)
     scores = scores.masked_fill(~segment_visibility(length, q.device), float("-inf"))
