@@ -204,8 +204,8 @@ def test_mac_retrieval_reads_the_memory_from_before_its_segment(
     reads: list[torch.Tensor] = []
     original = block.retrieve
 
-    def recording(queries: torch.Tensor, fast: Any) -> torch.Tensor:
-        reads.append(original(queries, fast))
+    def recording(queries: torch.Tensor, fast: Any, w_o: Any = None) -> torch.Tensor:
+        reads.append(original(queries, fast, w_o))
         return reads[-1]
 
     monkeypatch.setattr(block, "retrieve", recording)

@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from hope.memory.chunk_loop import LoopPolicy, chunk_sizes, run_chunks
 from hope.memory.config import TitansMemoryConfig
-from hope.memory.conv import CausalDepthwiseConv
+from hope.memory.conv import CausalDepthwiseConv, causal_depthwise
 from hope.memory.deep_mlp import (
     DeepFastWeights,
     DeepMemoryInit,
@@ -55,6 +55,7 @@ from hope.memory.ops.dispatch import (
     resolve_backend,
     unit_rows,
 )
+from hope.memory.ops.loop_shared import LoopLinear, share_across
 from hope.memory.ops.titans_heads import titans_heads
 from hope.memory.residual_mlp import (
     FastWeights,
@@ -113,6 +114,17 @@ class NeuralMemoryState:
         tail = None if self.conv_tail is None else self.conv_tail[index]
         pending = self.pending.select(index)
         return NeuralMemoryState(self.memory.select(index), tail, pending, self.chunks_done)
+
+
+@dataclass(frozen=True)
+class MemoryProjection:
+    """The maps from x to the memory's inputs (Ti §4.4): W_qkv, the gates' linear map
+    and the conv's weight [3d, W] (None without a conv). ``NeuralMemory.projections``
+    shares them across the iterations of a caller's loop."""
+
+    qkv: nn.Module | LoopLinear
+    gates: nn.Module | LoopLinear
+    conv: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -178,24 +190,39 @@ class NeuralMemory(nn.Module):
         pending = PendingChunk(empty, empty.clone(), gates, gates.clone(), gates.clone())
         return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 
+    def projections(self, copies: int, enabled: bool = True) -> list[MemoryProjection]:
+        """One ``MemoryProjection`` per iteration of a caller's loop of ``copies`` calls,
+        each parameter's gradient taken once for the loop (``loop_shared``)."""
+        conv = None if self.conv is None else self.conv.weight
+        linears = [(self.w_qkv.weight, self.w_qkv.bias), (self.gates.weight, self.gates.bias)]
+        shared = share_across(copies, [conv], linears, enabled)
+        return [MemoryProjection(qkv, gates, conv) for (conv,), (qkv, gates) in shared]
+
     def _project(
-        self, x: Tensor, tail: Tensor | None, backend: str
+        self,
+        x: Tensor,
+        tail: Tensor | None,
+        backend: str,
+        projection: MemoryProjection | None = None,
     ) -> tuple[list[Tensor], Tensor | None]:
         """[q, k, v] heads [B, H, T, d_h] (Ti §4.4: SiLU, conv, L2-norm q and k) and the
         gates theta, eta, alpha [B, H, T] of x [B, T, d], with the conv's new tail."""
         batch, seq, dim = x.shape
-        if backend == "fused" and self.conv is not None:
+        if projection is None:
+            conv = None if self.conv is None else self.conv.weight
+            projection = MemoryProjection(self.w_qkv, self.gates, conv)
+        if backend == "fused" and projection.conv is not None:
             # Dense heads and gates from one operator each way (``ops/titans_heads.py``):
             # the fused operators' kernels take a chunk of them without a copy.
             assert tail is not None
-            *parts, tail = titans_heads(self.w_qkv(x), tail, self.conv.weight, self.gates(x),
-                                        self.n_heads)  # fmt: skip
+            *parts, tail = titans_heads(projection.qkv(x), tail, projection.conv,
+                                        projection.gates(x), self.n_heads)  # fmt: skip
             return parts, tail
-        qkv = F.silu(self.w_qkv(x))
-        if self.conv is not None:
+        qkv = F.silu(projection.qkv(x))
+        if projection.conv is not None:
             assert tail is not None
-            qkv, tail = self.conv(qkv, tail)
-        gate_values = torch.sigmoid(self.gates(x))  # [B, T, 3H]
+            qkv, tail = causal_depthwise(qkv, tail, projection.conv)
+        gate_values = torch.sigmoid(projection.gates(x))  # [B, T, 3H]
         if backend == "fused":  # dense heads and gates, one copy each per call
             rows = qkv.reshape(batch, seq, 3, self.n_heads, self.d_head)
             q, k, v = rows.permute(2, 0, 3, 1, 4).contiguous().unbind(0)
@@ -220,15 +247,20 @@ class NeuralMemory(nn.Module):
         return self.w_o(reads.transpose(1, 2).reshape(batch, length, heads * d_head))
 
     def read_write(
-        self, x: Tensor, state: NeuralMemoryState | None = None, backend: str | None = None
+        self,
+        x: Tensor,
+        state: NeuralMemoryState | None = None,
+        backend: str | None = None,
+        projection: MemoryProjection | None = None,
     ) -> tuple[Tensor, NeuralMemoryState]:
         """``forward`` before the output projection: x [B, T, d] -> (the reads M*(q)
-        [B, H, T, d_h], new state)."""
+        [B, H, T, d_h], new state); ``projection``: this call's share of the maps
+        (``projections``), the modules' own when None."""
         batch, seq, _ = x.shape
         if state is None:
             state = self.init_state(batch)
         backend = resolve_backend(backend)
-        (q, k, v, *gates), tail = self._project(x, state.conv_tail, backend)
+        (q, k, v, *gates), tail = self._project(x, state.conv_tail, backend, projection)
         # The write stream is [pending | new]; reads are of the new tokens only.
         held = state.pending.length
         stream = [k, v, *gates]

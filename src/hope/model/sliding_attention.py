@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from hope.layers import rotary_tables
 from hope.memory.ops.dispatch import resolve_backend, rotated
+from hope.memory.ops.loop_shared import LoopLinear, share_across
 from hope.memory.ops.segment_attention import (
     masked_attention,
     segment_attention,
@@ -62,7 +62,8 @@ class SegmentView:
     k: Tensor  # [B, H, S, D], rotated
     v: Tensor  # [B, H, S, D]
     rotary: Rotary  # [S, D/2] each
-    kv_weight: Tensor  # [2d, d]: the k and v rows of the fused projection
+    kv: LoopLinear  # the k and v rows [2d, d] of the fused projection
+    out: LoopLinear  # W_o
     p_scores: Tensor | None  # [B, H, S, N_p]: scaled scores with P's keys
     p_values: Tensor | None  # [1, H, N_p, D]: P's values
     hidden: Tensor  # [S, 2S]: ~``segment_visibility``, the pairs a query must not see
@@ -73,16 +74,15 @@ class SegmentContext:
     """A MAC call's tokens as its segment attentions see them, split per segment (so
     backward joins the segments' gradients with one cat per tensor). What every segment
     shares is made once per call: the scaled queries and their scores with P, the
-    hidden mask, and one view of the k/v weight rows (so backward sums the segments'
-    gradients before the one slice into the fused weight's)."""
+    hidden mask, and the segments' aliases of the k/v weight rows, W_o and P's values
+    (``loop_shared.share_across``: backward takes each one's gradient once per call)."""
 
     q_rot: Sequence[Tensor]
     k: Sequence[Tensor]
     v: Sequence[Tensor]
     rotary: Sequence[Rotary]
-    kv_weight: Tensor
+    shared: Sequence[tuple[list[Tensor | None], list[LoopLinear]]]  # per segment
     p_scores: Sequence[Tensor] | None
-    p_values: Tensor | None
     hidden: Tensor  # [S, 2S] for a full segment
 
     def segment(self, index: int) -> SegmentView:
@@ -90,9 +90,10 @@ class SegmentContext:
         full = self.hidden.shape[0] == length
         hidden = self.hidden if full else ~segment_visibility(length, self.hidden.device)
         p_scores = None if self.p_scores is None else self.p_scores[index]
+        (p_values,), (kv, out) = self.shared[index]
         return SegmentView(
             self.q_rot[index], self.k[index], self.v[index], self.rotary[index],
-            self.kv_weight, p_scores, self.p_values, hidden,
+            kv, out, p_scores, p_values, hidden,
         )  # fmt: skip
 
 
@@ -134,14 +135,14 @@ class PersistentAttention(CausalSelfAttention):
         return q, rotated(q, cos, sin), rotated(k, cos, sin), v
 
     def _key_value_heads(
-        self, x: Tensor, rotary: Rotary | None, weight: Tensor | None = None
+        self, x: Tensor, rotary: Rotary | None, rows: LoopLinear | None = None
     ) -> tuple[Tensor, Tensor]:
         """Keys (rotated when ``rotary`` is given) and values only, [B, H, T, D] each:
         the k and v rows of the fused projection (for tokens that are never queries;
-        ``weight``: those rows, when the caller took them once for several calls)."""
+        ``rows``: that map, when the caller shares it across several calls)."""
         batch, length, dim = x.shape
-        rows = self.qkv.weight[dim:] if weight is None else weight
-        kv = F.linear(x, rows).view(batch, length, 2, self.n_heads, self.head_dim)
+        kv_map = LoopLinear(self.qkv.weight[dim:], None) if rows is None else rows
+        kv = kv_map(x).view(batch, length, 2, self.n_heads, self.head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
         if self.k_norm is not None:
             k = self.k_norm(k)
@@ -203,12 +204,17 @@ class PersistentAttention(CausalSelfAttention):
         persistent = self._persistent_kv(x.dtype)
         p_scores = self._persistent_scores(self._scaled(q), persistent)
         cos, sin = (t.split(segment) for t in rotary)
+        p_values = None if persistent is None else persistent[1]
+        # backend "compile" traces each segment's attention: plain parameters there.
+        shared = share_across(
+            len(cos), [p_values],
+            [(self.qkv.weight[x.shape[2]:], None), (self.out.weight, self.out.bias)],
+            enabled=resolve_backend(None) != "compile",
+        )  # fmt: skip
         return SegmentContext(
             self._scaled(q_rot).split(segment, dim=2), k.split(segment, dim=2),
-            v.split(segment, dim=2), list(zip(cos, sin, strict=True)),
-            self.qkv.weight[x.shape[2]:],
+            v.split(segment, dim=2), list(zip(cos, sin, strict=True)), shared,
             None if p_scores is None else p_scores.split(segment, dim=2),
-            None if persistent is None else persistent[1],
             ~segment_visibility(segment, x.device),
         )  # fmt: skip
 
@@ -219,10 +225,11 @@ class PersistentAttention(CausalSelfAttention):
         h_j shares position pos+j with x_j, so the scores of query i with h_j and
         with x_j see the same relative distance.
         """
-        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary, segment.kv_weight)
+        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary, segment.kv)
         if resolve_backend(None) == "fused":  # one operator each way, the mask implicit
             y = segment_attention(segment.q_rot, k_h, v_h, segment.k, segment.v,
                                   segment.p_scores, segment.p_values)  # fmt: skip
-            return self.out(y.flatten(2))
+            return segment.out(y.flatten(2))
         k, values = segment_keys(k_h, v_h, segment.k, segment.v, segment.p_values)
-        return self._attend(segment.q_rot, k, values, segment.hidden, segment.p_scores)
+        y = masked_attention(segment.q_rot, k, values, segment.hidden, segment.p_scores)
+        return segment.out(y.flatten(2))

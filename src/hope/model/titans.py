@@ -32,9 +32,10 @@ from torch.nn import functional as F
 from hope.layers import MLP, swiglu_hidden
 from hope.memory.deep_mlp import DeepFastWeights
 from hope.memory.norm import RMSNorm
-from hope.memory.ops.dispatch import compiled, resolve_backend, unit_rows
+from hope.memory.ops.dispatch import compiled, resolve_backend, rms_normalized, unit_rows
+from hope.memory.ops.loop_shared import LoopLinear, share_across
 from hope.memory.residual_mlp import FastWeights
-from hope.memory.titans_memory import NeuralMemory, NeuralMemoryState
+from hope.memory.titans_memory import MemoryProjection, NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
 from hope.model.config import ModelConfig
 from hope.model.lm import LanguageModel
@@ -47,6 +48,18 @@ class TitansState:
 
     memory: NeuralMemoryState
     cache: KVCache | None = None  # [B, H, <= W-1, D] for MAG/MAL
+
+
+@dataclass(frozen=True)
+class _SegmentShare:
+    """One MAC segment's aliases of the block's parameters that every segment uses
+    (``loop_shared.share_across``): the retrieval's W_o, the norms of h and of the
+    write's input, the memory's projections."""
+
+    retrieve_out: LoopLinear
+    h_norm: Tensor
+    write_norm: Tensor
+    memory: MemoryProjection
 
 
 class GatedCombine(nn.Module):
@@ -185,20 +198,42 @@ class TitansMACBlock(_TitansBlock):
         q = F.silu(self.retrieve_q(x_n)).view(batch, length, heads, dim // heads)
         return unit_rows(q).transpose(1, 2)
 
-    def retrieve(self, queries: Tensor, fast: FastWeights | DeepFastWeights) -> Tensor:
+    def retrieve(
+        self,
+        queries: Tensor,
+        fast: FastWeights | DeepFastWeights,
+        w_o: nn.Module | LoopLinear | None = None,
+    ) -> Tensor:
         """h = W_o M*(q) [B, S, d] for queries [B, H, S, d_h] with the given memory
-        weights (Ti eq. 21)."""
+        weights (Ti eq. 21); ``w_o``: a segment's share of the memory's W_o."""
         batch, heads, length, d_head = queries.shape
         read = self.memory.read(fast, queries)
-        return self.memory.w_o(read.transpose(1, 2).reshape(batch, length, heads * d_head))
+        w_o = self.memory.w_o if w_o is None else w_o
+        return w_o(read.transpose(1, 2).reshape(batch, length, heads * d_head))
 
     def _mix(
-        self, queries: Tensor, fast: FastWeights | DeepFastWeights, segment: SegmentView
+        self,
+        queries: Tensor,
+        fast: FastWeights | DeepFastWeights,
+        segment: SegmentView,
+        share: _SegmentShare,
     ) -> Tensor:
         """y [B, S, d] of one segment: Attn([P || h || S]) with h = W_o M*_{s-1}(q(S)),
         M_{s-1} = ``fast``, the memory before this segment's write (Ti eqs. 21-22)."""
-        h = self.retrieve(queries, fast)
-        return self.attn.attend_segment(segment, self.h_norm(h))
+        h = self.retrieve(queries, fast, share.retrieve_out)
+        return self.attn.attend_segment(segment, rms_normalized(h, share.h_norm, self.h_norm.eps))
+
+    def _segment_shares(self, copies: int) -> list[_SegmentShare]:
+        """Each segment's aliases of the parameters every segment uses, their gradients
+        taken once per call; backend "compile" traces a segment: plain parameters there."""
+        enabled = resolve_backend(None) != "compile"
+        norms = [self.h_norm.weight, self.write_norm.weight]
+        shared = share_across(copies, norms, [(self.memory.w_o.weight, None)], enabled)
+        memory = self.memory.projections(copies, enabled)
+        return [
+            _SegmentShare(w_o, h_norm, write_norm, projection)
+            for ((h_norm, write_norm), (w_o,)), projection in zip(shared, memory, strict=True)
+        ]
 
     def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
         if pos % self.segment:
@@ -218,10 +253,12 @@ class TitansMACBlock(_TitansBlock):
         if resolve_backend(None) == "compile":
             mix = compiled(mix)
         memory, ys, reads = state.memory, [], []
-        for index, q in enumerate(queries):
-            y = mix(self, q, memory.memory, context.segment(index))
+        shares = self._segment_shares(len(queries))
+        for index, (q, share) in enumerate(zip(queries, shares, strict=True)):
+            y = mix(self, q, memory.memory, context.segment(index), share)
             # reads M_{s-1}, writes y; the reads' output projection runs once, below
-            m, memory = self.memory.read_write(self.write_norm(y), memory)
+            y_n = rms_normalized(y, share.write_norm, self.write_norm.eps)
+            m, memory = self.memory.read_write(y_n, memory, projection=share.memory)
             ys.append(y)
             reads.append(m)
         m = self.memory.project_reads(torch.cat(reads, dim=2))
