@@ -614,9 +614,10 @@ def test_fused_chunk_rates_equal_the_torch_forms_with_gradients_in_one_launch_ea
     assert counts["torch"][0] >= 10 and counts["torch"][1] >= 10, counts
 
 
-def _plain_heads(pre, tail, weight, gate_pre, heads):  # type: ignore[no-untyped-def]
-    """The Titans memory's plain path from its projections (SiLU, the conv module's
-    function, heads, F.normalize, sigmoid gates), in the layouts it hands on."""
+def _plain_heads(projected, tail, weight, heads):  # type: ignore[no-untyped-def]
+    """The Titans memory's plain path from its projection [qkv | gates] (SiLU, the conv
+    module's function, heads, F.normalize, sigmoid gates), in the layouts it hands on."""
+    pre, gate_pre = projected.split([projected.shape[-1] - 3 * heads, 3 * heads], -1)
     conv, new_tail = causal_depthwise(F.silu(pre), tail, weight)
     batch, length, width = conv.shape
     q, k, v = (
@@ -631,7 +632,7 @@ def test_fused_titans_heads_equal_the_plain_path_with_gradients_in_one_launch_ea
     length: int, window: int
 ) -> None:
     """``hope::titans_heads`` against the plain path differentiated by autograd: the
-    heads, gates and new tail, and the gradients of the projections, the carried tail
+    heads, gates and new tail, and the gradients of the projection, the carried tail
     (also through a call shorter than the window, whose new tail holds old tail rows)
     and the conv weight, with every output's gradient given and with some absent; one
     launch forward, and the kernel plus the weight's sum backward."""
@@ -639,10 +640,9 @@ def test_fused_titans_heads_equal_the_plain_path_with_gradients_in_one_launch_ea
     width = 3 * heads * d_head
     gen = torch.Generator().manual_seed(length)
     leaves = [
-        torch.randn(2, length, width, generator=gen, dtype=DT),
+        torch.randn(2, length, width + 3 * heads, generator=gen, dtype=DT),
         torch.randn(2, window - 1, width, generator=gen, dtype=DT),
         1.0 + 0.3 * torch.randn(width, window, generator=gen, dtype=DT),
-        torch.randn(2, length, 3 * heads, generator=gen, dtype=DT),
     ]
     leaves = [t.requires_grad_() for t in leaves]
     with LaunchCounter() as forward:

@@ -525,8 +525,8 @@ def heads_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         def rand(*shape: int, gen: torch.Generator = gen) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
-        x = (rand(b, t, 3 * h * d_h), rand(b, w - 1, 3 * h * d_h), rand(3 * h * d_h, w),
-             rand(b, t, 3 * h))  # fmt: skip
+        # the projection [qkv | gates], the tail, the conv weight
+        x = (rand(b, t, 3 * h * d_h + 3 * h), rand(b, w - 1, 3 * h * d_h), rand(3 * h * d_h, w))
         want = titans_heads_reference(*x, h)
         name = f"heads_{str(dtype).removeprefix('torch.')}_T{t}_W{w}"
         errors[f"{name}_forward"] = worst(titans_heads_triton(*x, h), want)
@@ -588,7 +588,7 @@ def bf16_errors(device: str) -> dict[str, float]:
     act = rand(2, 3, 20, 16)
     rates_in = (theta, eta, alpha, 40 * rand(2, 3, 20, span=1.0), (act @ act.mT).abs())
     rates_grads = tuple(rand(2, 3, 20).to(bf) for _ in range(3))
-    heads_in = (rand(2, 19, 36).to(bf), rand(2, 3, 36), rand(36, 4), rand(2, 19, 6).to(bf))
+    heads_in = (rand(2, 19, 42).to(bf), rand(2, 3, 36), rand(36, 4))
     heads_out = titans_heads_reference(*up(heads_in), 2)
     heads_grads = [rand(*o.shape).to(bf) for o in heads_out]
     attn_in = (*(rand(2, 2, 21, 16).to(bf) for _ in range(5)), rand(2, 2, 21, 4).to(bf),

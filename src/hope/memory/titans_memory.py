@@ -56,7 +56,7 @@ from hope.memory.ops.dispatch import (
     unit_rows,
 )
 from hope.memory.ops.loop_shared import LoopLinear, share_across
-from hope.memory.ops.titans_heads import titans_heads
+from hope.memory.ops.titans_heads import split_projected, titans_heads
 from hope.memory.residual_mlp import (
     FastWeights,
     MemoryInit,
@@ -118,12 +118,11 @@ class NeuralMemoryState:
 
 @dataclass(frozen=True)
 class MemoryProjection:
-    """The maps from x to the memory's inputs (Ti §4.4): W_qkv, the gates' linear map
-    and the conv's weight [3d, W] (None without a conv). ``NeuralMemory.projections``
-    shares them across the iterations of a caller's loop."""
+    """The memory's inputs' map x -> [x W_qkv | x W_g + b] [B, T, 3d + 3H] (Ti §4.4; one
+    matmul each way for both) and the conv's weight [3d, W] (None without a conv).
+    ``NeuralMemory.projections`` shares them across the iterations of a caller's loop."""
 
-    qkv: nn.Module | LoopLinear
-    gates: nn.Module | LoopLinear
+    inputs: LoopLinear
     conv: Tensor | None
 
 
@@ -194,9 +193,16 @@ class NeuralMemory(nn.Module):
         """One ``MemoryProjection`` per iteration of a caller's loop of ``copies`` calls,
         each parameter's gradient taken once for the loop (``loop_shared``)."""
         conv = None if self.conv is None else self.conv.weight
-        linears = [(self.w_qkv.weight, self.w_qkv.bias), (self.gates.weight, self.gates.bias)]
-        shared = share_across(copies, [conv], linears, enabled)
-        return [MemoryProjection(qkv, gates, conv) for (conv,), (qkv, gates) in shared]
+        shared = share_across(copies, [conv], [self._joined_map()], enabled)
+        return [MemoryProjection(inputs, conv) for (conv,), (inputs,) in shared]
+
+    def _joined_map(self) -> tuple[Tensor, Tensor]:
+        """W_qkv and the gates' map as one: weight [3d + 3H, d], bias [3d + 3H] (zero
+        for the qkv rows). Two launches per call, where the maps apart cost a matmul
+        and an add per call each way."""
+        weight = torch.cat([self.w_qkv.weight, self.gates.weight])
+        bias = F.pad(self.gates.bias, (self.w_qkv.weight.shape[0], 0))
+        return weight, bias
 
     def _project(
         self,
@@ -210,19 +216,20 @@ class NeuralMemory(nn.Module):
         batch, seq, dim = x.shape
         if projection is None:
             conv = None if self.conv is None else self.conv.weight
-            projection = MemoryProjection(self.w_qkv, self.gates, conv)
+            projection = MemoryProjection(LoopLinear(*self._joined_map()), conv)
+        projected = projection.inputs(x)  # [B, T, 3d + 3H]
         if backend == "fused" and projection.conv is not None:
             # Dense heads and gates from one operator each way (``ops/titans_heads.py``):
             # the fused operators' kernels take a chunk of them without a copy.
             assert tail is not None
-            *parts, tail = titans_heads(projection.qkv(x), tail, projection.conv,
-                                        projection.gates(x), self.n_heads)  # fmt: skip
+            *parts, tail = titans_heads(projected, tail, projection.conv, self.n_heads)
             return parts, tail
-        qkv = F.silu(projection.qkv(x))
+        pre, gate_pre = split_projected(projected, self.n_heads)
+        qkv = F.silu(pre)
         if projection.conv is not None:
             assert tail is not None
             qkv, tail = causal_depthwise(qkv, tail, projection.conv)
-        gate_values = torch.sigmoid(projection.gates(x))  # [B, T, 3H]
+        gate_values = torch.sigmoid(gate_pre)  # [B, T, 3H]
         if backend == "fused":  # dense heads and gates, one copy each per call
             rows = qkv.reshape(batch, seq, 3, self.n_heads, self.d_head)
             q, k, v = rows.permute(2, 0, 3, 1, 4).contiguous().unbind(0)

@@ -1,9 +1,11 @@
-"""``hope::titans_heads``: the Titans memory's inputs from its two projections, as one
+"""``hope::titans_heads``: the Titans memory's inputs from its projections, as one
 operator each way (backend ``fused``; one Triton kernel forward and one backward plus
 a sum of the conv weight's per-sample gradients on CUDA, ``triton_heads.py``).
 
-From the pre-activations of x W_qkv [B, T, 3d] and of the gates x W_g + b [B, T, 3H]
-(Ti §4.4): SiLU, the causal depthwise conv after the carried tail, the heads
+From one matmul's output [B, T, 3d + 3H], the pre-activations of x W_qkv [B, T, 3d]
+followed by those of the gates x W_g + b [B, T, 3H] (Ti §4.4; one map, so x's gradient
+is one matmul, not two and an add): SiLU, the causal depthwise conv after the carried
+tail, the heads
 q, k, v [B, H, T, d_h] with q and k L2-normalised, and the gates theta, eta, alpha =
 sigmoid(.) [B, H, T], all dense; plus the conv's new tail. As PyTorch ops these launch
 8 kernels forward and about 9 backward per call (SiLU, the tail's concatenation, the
@@ -26,15 +28,24 @@ from hope.memory.conv import causal_depthwise
 from hope.memory.ops.pointwise import l2_normalize_backward_reference
 
 HeadsOut = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-HeadsGrads = tuple[Tensor, Tensor, Tensor, Tensor]
+HeadsGrads = tuple[Tensor, Tensor, Tensor]
 
 
-def titans_heads_reference(
-    pre: Tensor, tail: Tensor, weight: Tensor, gate_pre: Tensor, heads: int
-) -> HeadsOut:
+def split_projected(projected: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """[B, T, 3d + 3H] -> the qkv pre-activations [B, T, 3d] and the gates' [B, T, 3H]
+    (column views)."""
+    width = projected.shape[-1] - 3 * heads
+    if width <= 0 or width % (3 * heads):
+        raise ValueError(f"titans_heads: {projected.shape[-1]} columns for {heads} heads")
+    pre, gate_pre = projected.split([width, 3 * heads], dim=-1)
+    return pre, gate_pre
+
+
+def titans_heads_reference(projected: Tensor, tail: Tensor, weight: Tensor, heads: int) -> HeadsOut:
     """(q, k, v [B, H, T, d_h], theta, eta, alpha [B, H, T], new tail [B, W-1, 3d]) of
-    ``pre`` [B, T, 3d], the conv's ``tail`` [B, W-1, 3d] and ``weight`` [3d, W], and
-    ``gate_pre`` [B, T, 3H], in PyTorch ops, every output dense."""
+    ``projected`` [B, T, 3d + 3H] (``split_projected``), the conv's ``tail``
+    [B, W-1, 3d] and ``weight`` [3d, W], in PyTorch ops, every output dense."""
+    pre, gate_pre = split_projected(projected, heads)
     batch, length, width = pre.shape
     conv, new_tail = causal_depthwise(F.silu(pre), tail, weight.to(pre.dtype))
     parts = conv.reshape(batch, length, 3, heads, width // (3 * heads)).permute(2, 0, 3, 1, 4)
@@ -46,13 +57,14 @@ def titans_heads_reference(
 
 
 def titans_heads_backward_reference(
-    inputs: tuple[Tensor, Tensor, Tensor, Tensor], heads: int, grads: tuple[Tensor | None, ...]
+    inputs: tuple[Tensor, Tensor, Tensor], heads: int, grads: tuple[Tensor | None, ...]
 ) -> HeadsGrads:
-    """(dL/dpre, dL/dtail, dL/dweight, dL/dgate_pre) of ``titans_heads_reference`` given
-    its outputs' gradients (None: zero), in PyTorch ops: the normalisations' backward,
-    the conv's (a transposed conv for its inputs, a sum over tokens for its weight),
-    SiLU' and the sigmoid's."""
-    pre, tail, weight, gate_pre = inputs
+    """(dL/dprojected, dL/dtail, dL/dweight) of ``titans_heads_reference`` given its
+    outputs' gradients (None: zero), in PyTorch ops: the normalisations' backward, the
+    conv's (a transposed conv for its inputs, a sum over tokens for its weight), SiLU'
+    and the sigmoid's."""
+    projected, tail, weight = inputs
+    pre, gate_pre = split_projected(projected, heads)
     batch, length, width = pre.shape
     window, d_head = weight.shape[1], width // (3 * heads)
     x = F.silu(pre)
@@ -79,43 +91,37 @@ def titans_heads_backward_reference(
     gate = torch.sigmoid(gate_pre).view(batch, length, 3, heads)
     d_gate = torch.stack([token_major(g, gate[:, :, 0]) for g in grads[3:6]], dim=2)
     d_gate_pre = (d_gate * gate * (1.0 - gate)).view_as(gate_pre)
-    return d_pre, d_padded[:, : window - 1].contiguous(), d_weight, d_gate_pre
+    d_projected = torch.cat([d_pre, d_gate_pre], dim=-1)
+    return d_projected, d_padded[:, : window - 1].contiguous(), d_weight
 
 
 @torch.library.custom_op("hope::titans_heads", mutates_args=())
-def titans_heads(
-    pre: Tensor, tail: Tensor, weight: Tensor, gate_pre: Tensor, heads: int
-) -> HeadsOut:
+def titans_heads(projected: Tensor, tail: Tensor, weight: Tensor, heads: int) -> HeadsOut:
     """``titans_heads_reference`` in one launch."""
-    if pre.device.type == "cuda":
+    if projected.device.type == "cuda":
         from hope.memory.ops.triton_heads import titans_heads_triton
 
-        return titans_heads_triton(pre, tail, weight, gate_pre, heads)
-    return titans_heads_reference(pre, tail, weight, gate_pre, heads)
+        return titans_heads_triton(projected, tail, weight, heads)
+    return titans_heads_reference(projected, tail, weight, heads)
 
 
 @titans_heads.register_fake
-def _(pre: Tensor, tail: Tensor, weight: Tensor, gate_pre: Tensor, heads: int) -> HeadsOut:
-    batch, length, width = pre.shape
-    head = pre.new_empty(batch, heads, length, width // (3 * heads))
-    gate = pre.new_empty(batch, heads, length)
+def _(projected: Tensor, tail: Tensor, weight: Tensor, heads: int) -> HeadsOut:
+    batch, length, columns = projected.shape
+    head = projected.new_empty(batch, heads, length, (columns - 3 * heads) // (3 * heads))
+    gate = projected.new_empty(batch, heads, length)
     return (head, head.clone(), head.clone(), gate, gate.clone(), gate.clone(),
-            pre.new_empty(tail.shape))  # fmt: skip
+            projected.new_empty(tail.shape))  # fmt: skip
 
 
 @torch.library.custom_op("hope::titans_heads_backward", mutates_args=())
 def titans_heads_backward(
-    pre: Tensor,
-    tail: Tensor,
-    weight: Tensor,
-    gate_pre: Tensor,
-    heads: int,
-    grads: list[Tensor | None],
+    projected: Tensor, tail: Tensor, weight: Tensor, heads: int, grads: list[Tensor | None]
 ) -> HeadsGrads:
     """The gradients of ``titans_heads`` (``titans_heads_backward_reference``); ``grads``
     those of its seven outputs, None where absent."""
-    inputs = (pre, tail, weight, gate_pre)
-    if pre.device.type == "cuda":
+    inputs = (projected, tail, weight)
+    if projected.device.type == "cuda":
         from hope.memory.ops.triton_heads import titans_heads_backward_triton
 
         return titans_heads_backward_triton(inputs, heads, grads)
@@ -124,25 +130,20 @@ def titans_heads_backward(
 
 @titans_heads_backward.register_fake
 def _(
-    pre: Tensor,
-    tail: Tensor,
-    weight: Tensor,
-    gate_pre: Tensor,
-    heads: int,
-    grads: list[Tensor | None],
+    projected: Tensor, tail: Tensor, weight: Tensor, heads: int, grads: list[Tensor | None]
 ) -> HeadsGrads:
-    return tuple(torch.empty_like(t) for t in (pre, tail, weight, gate_pre))  # type: ignore[return-value]
+    return tuple(torch.empty_like(t) for t in (projected, tail, weight))  # type: ignore[return-value]
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.save_for_backward(*inputs[:4])
-    ctx.heads = inputs[4]
+    ctx.save_for_backward(*inputs[:3])
+    ctx.heads = inputs[3]
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
     if all(g is None for g in grads):
-        return (None,) * 5
+        return (None,) * 4
     found = titans_heads_backward(*ctx.saved_tensors, ctx.heads, list(grads))
     return (*found, None)
 

@@ -10,7 +10,8 @@ Backward: per token block, the conv output's gradient dy (through the normalisat
 for q and k) goes to a scratch buffer [B, T, 3d] and into the conv weight's per-sample
 gradient; after a barrier, the same block of conv inputs (padded positions, tail
 first) gathers w_j dy_{i-j} over the W taps, plus the new tail's gradient, and goes to
-the tail's or (through SiLU') the pre-activations' gradient. The wrapper sums the
+the tail's or (through SiLU') the pre-activations' gradient, the gates' beside it in
+the projection's gradient [B, T, 3d + 3H]. The wrapper sums the
 weight's per-sample gradients: one more launch. Compute in float32 (float64 for
 float64 inputs).
 
@@ -37,32 +38,34 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _conv_input(pre_b, tail_b, u, ch, live, d_live, CW, W: tl.constexpr, ACC: tl.constexpr):
-    """The conv's inputs [BT, DP] at tokens u (< 0: the tail's row W-1+u): SiLU(pre)."""
+def _conv_input(pre_b, tail_b, u, ch, live, d_live, PW, CW, W: tl.constexpr,
+                ACC: tl.constexpr):  # fmt: skip
+    """The conv's inputs [BT, DP] at tokens u (< 0: the tail's row W-1+u): SiLU(pre);
+    pre's rows are PW apart (the projection's qkv columns), the tail's CW."""
     inside = (u >= 0)[:, None]
     mask = live[:, None] & d_live[None, :]
-    x = tl.load(pre_b + u[:, None] * CW + ch[None, :], mask=mask & inside, other=0.0).to(ACC)
+    x = tl.load(pre_b + u[:, None] * PW + ch[None, :], mask=mask & inside, other=0.0).to(ACC)
     past = tl.load(tail_b + (u + W - 1)[:, None] * CW + ch[None, :], mask=mask & ~inside,
                    other=0.0).to(ACC)  # fmt: skip
     return tl.where(inside, x * _sigmoid(x), past)
 
 
 @triton.jit
-def _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, CW, W: tl.constexpr, BT: tl.constexpr,
-          DP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, PW, CW, W: tl.constexpr,
+          BT: tl.constexpr, DP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """The conv's outputs [BT, DP] at tokens t."""
     y = tl.zeros([BT, DP], dtype=ACC)
     for j in tl.static_range(W):
         w_j = tl.load(w_ptr + ch * W + j, mask=d_live, other=0.0).to(ACC)
         y += w_j[None, :] * _conv_input(
-            pre_b, tail_b, t + j - (W - 1), ch, live, d_live, CW, W, ACC
+            pre_b, tail_b, t + j - (W - 1), ch, live, d_live, PW, CW, W, ACC
         )
     return y
 
 
 @triton.jit
-def _heads_fwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, q_ptr, k_ptr, v_ptr, theta_ptr, eta_ptr,
-               alpha_ptr, new_tail_ptr, T, H, CW, DH: tl.constexpr, DP: tl.constexpr,
+def _heads_fwd(pre_ptr, tail_ptr, w_ptr, q_ptr, k_ptr, v_ptr, theta_ptr, eta_ptr,
+               alpha_ptr, new_tail_ptr, T, H, CW, PW, DH: tl.constexpr, DP: tl.constexpr,
                W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)  # part * H + head: the channels c * DH + d of x W_qkv
@@ -70,17 +73,17 @@ def _heads_fwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, q_ptr, k_ptr, v_ptr, theta_pt
     d = tl.arange(0, DP)
     d_live = d < DH
     ch = c * DH + d
-    pre_b, tail_b = pre_ptr + b * T * CW, tail_ptr + b * (W - 1) * CW
+    pre_b, tail_b = pre_ptr + b * T * PW, tail_ptr + b * (W - 1) * CW
     rows = (b * H + head) * T
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
         live = t < T
-        y = _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, CW, W, BT, DP, ACC)
+        y = _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, PW, CW, W, BT, DP, ACC)
         if part < 2:
             y = y / tl.maximum(tl.sqrt(tl.sum(y * y, 1)), _EPS)[:, None]
         at = (rows + t)[:, None] * DH + d[None, :]
         mask = live[:, None] & d_live[None, :]
-        gate = _sigmoid(tl.load(gate_ptr + b * T * 3 * H + t * 3 * H + c, mask=live).to(ACC))
+        gate = _sigmoid(tl.load(pre_b + t * PW + CW + c, mask=live).to(ACC))
         if part == 0:
             tl.store(q_ptr + at, y, mask=mask)
             tl.store(theta_ptr + rows + t, gate, mask=live)
@@ -92,7 +95,7 @@ def _heads_fwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, q_ptr, k_ptr, v_ptr, theta_pt
             tl.store(alpha_ptr + rows + t, gate, mask=live)
     r = tl.arange(0, WP)
     r_live = r < W - 1
-    x = _conv_input(pre_b, tail_b, T + r - (W - 1), ch, r_live, d_live, CW, W, ACC)
+    x = _conv_input(pre_b, tail_b, T + r - (W - 1), ch, r_live, d_live, PW, CW, W, ACC)
     tl.store(new_tail_ptr + b * (W - 1) * CW + r[:, None] * CW + ch[None, :], x,
              mask=r_live[:, None] & d_live[None, :])  # fmt: skip
 
@@ -104,8 +107,8 @@ def _grad_rows(ptr, s_b, s_h, s_t, s_d, b, head, t, d, live, d_live, ACC: tl.con
 
 
 @triton.jit
-def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, gq_ptr, gk_ptr, gv_ptr, gth_ptr, geta_ptr,
-               gal_ptr, gtail_ptr, dy_ptr, d_pre_ptr, d_tail_ptr, d_w_ptr, d_gate_ptr, T, H, CW,
+def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gq_ptr, gk_ptr, gv_ptr, gth_ptr, geta_ptr, gal_ptr,
+               gtail_ptr, dy_ptr, d_pre_ptr, d_tail_ptr, d_w_ptr, T, H, CW, PW,
                sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
                sth_b, sth_h, sth_t, seta_b, seta_h, seta_t, sal_b, sal_h, sal_t,
                stl_b, stl_r, stl_c, HAS_Q: tl.constexpr, HAS_K: tl.constexpr,
@@ -119,8 +122,8 @@ def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, gq_ptr, gk_ptr, gv_ptr, gth_p
     d = tl.arange(0, DP)
     d_live = d < DH
     ch = c * DH + d
-    pre_b, tail_b = pre_ptr + b * T * CW, tail_ptr + b * (W - 1) * CW
-    dy_b = dy_ptr + b * T * CW
+    pre_b, tail_b = pre_ptr + b * T * PW, tail_ptr + b * (W - 1) * CW
+    d_pre_b, dy_b = d_pre_ptr + b * T * PW, dy_ptr + b * T * CW
     taps = tl.arange(0, WP2)
     d_w = tl.zeros([DP, WP2], dtype=ACC)
     for t0 in range(0, T + W - 1, BT):  # blocks of tokens, then of padded positions
@@ -149,7 +152,7 @@ def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, gq_ptr, gk_ptr, gv_ptr, gth_p
                 g_gate = tl.load(gal_ptr + at, mask=live, other=0.0).to(ACC)
         dy = g
         if part < 2:
-            y = _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, CW, W, BT, DP, ACC)
+            y = _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, PW, CW, W, BT, DP, ACC)
             norm = tl.sqrt(tl.sum(y * y, 1))
             scale = tl.maximum(norm, _EPS)
             unit = y / scale[:, None]
@@ -157,11 +160,11 @@ def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, gq_ptr, gk_ptr, gv_ptr, gth_p
             dy = (g - unit * along[:, None]) / scale[:, None]
         tl.store(dy_b + t[:, None] * CW + ch[None, :], dy, mask=live[:, None] & d_live[None, :])
         for j in tl.static_range(W):
-            x_j = _conv_input(pre_b, tail_b, t + j - (W - 1), ch, live, d_live, CW, W, ACC)
+            x_j = _conv_input(pre_b, tail_b, t + j - (W - 1), ch, live, d_live, PW, CW, W, ACC)
             d_w += tl.where(taps[None, :] == j, tl.sum(dy * x_j, 0)[:, None], 0.0)
-        gate_at = b * T * 3 * H + t * 3 * H + c
-        gate = _sigmoid(tl.load(gate_ptr + gate_at, mask=live, other=0.0).to(ACC))
-        tl.store(d_gate_ptr + gate_at, g_gate * gate * (1.0 - gate), mask=live)
+        gate_at = t * PW + CW + c  # the gates' columns follow the qkv ones
+        gate = _sigmoid(tl.load(pre_b + gate_at, mask=live, other=0.0).to(ACC))
+        tl.store(d_pre_b + gate_at, g_gate * gate * (1.0 - gate), mask=live)
         tl.debug_barrier()  # this block's dy, read below at shifted tokens
         # 2. the conv inputs' gradient at padded positions i = t (tail rows first)
         inside = t < T + W - 1
@@ -181,11 +184,10 @@ def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gate_ptr, gq_ptr, gk_ptr, gv_ptr, gth_p
         tl.store(d_tail_ptr + b * (W - 1) * CW + t[:, None] * CW + ch[None, :], d_x,
                  mask=mask & is_tail)  # fmt: skip
         u = t - (W - 1)
-        at = u[:, None] * CW + ch[None, :]
+        at = u[:, None] * PW + ch[None, :]
         x = tl.load(pre_b + at, mask=mask & ~is_tail, other=0.0).to(ACC)
         s = _sigmoid(x)
-        tl.store(d_pre_ptr + b * T * CW + at, d_x * s * (1.0 + x * (1.0 - s)),
-                 mask=mask & ~is_tail)  # fmt: skip
+        tl.store(d_pre_b + at, d_x * s * (1.0 + x * (1.0 - s)), mask=mask & ~is_tail)
     at = d_w_ptr + b * CW * W + ch[:, None] * W + taps[None, :]
     tl.store(at, d_w, mask=d_live[:, None] & (taps < W)[None, :])
 
@@ -204,44 +206,46 @@ def _constants(d_head: int, window: int, pre: Tensor) -> dict[str, Any]:
 
 
 def titans_heads_triton(
-    pre: Tensor, tail: Tensor, weight: Tensor, gate_pre: Tensor, heads: int
+    projected: Tensor, tail: Tensor, weight: Tensor, heads: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``hope::titans_heads`` in one kernel launch."""
-    batch, length, width = pre.shape
+    batch, length, columns = projected.shape
+    width = columns - 3 * heads
     d_head, window = width // (3 * heads), weight.shape[1]
-    pre, tail, gate_pre = pre.contiguous(), tail.contiguous(), gate_pre.contiguous()
-    q, k, v = (pre.new_empty(batch, heads, length, d_head) for _ in range(3))
-    theta, eta, alpha = (pre.new_empty(batch, heads, length) for _ in range(3))
-    new_tail = pre.new_empty(tail.shape)
+    projected, tail = projected.contiguous(), tail.contiguous()
+    q, k, v = (projected.new_empty(batch, heads, length, d_head) for _ in range(3))
+    theta, eta, alpha = (projected.new_empty(batch, heads, length) for _ in range(3))
+    new_tail = projected.new_empty(tail.shape)
     _heads_fwd[(batch, 3 * heads)](
-        pre, tail, weight.contiguous(), gate_pre, q, k, v, theta, eta, alpha, new_tail,
-        length, heads, width, WP=max(2, triton.next_power_of_2(max(window - 1, 1))),
-        **_constants(d_head, window, pre),
+        projected, tail, weight.contiguous(), q, k, v, theta, eta, alpha, new_tail,
+        length, heads, width, columns, WP=max(2, triton.next_power_of_2(max(window - 1, 1))),
+        **_constants(d_head, window, projected),
     )  # fmt: skip
     return q, k, v, theta, eta, alpha, new_tail
 
 
 def titans_heads_backward_triton(
-    inputs: tuple[Tensor, Tensor, Tensor, Tensor], heads: int, grads: list[Tensor | None]
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    inputs: tuple[Tensor, Tensor, Tensor], heads: int, grads: list[Tensor | None]
+) -> tuple[Tensor, Tensor, Tensor]:
     """``hope::titans_heads_backward`` in one kernel launch and the sum of the conv
     weight's per-sample gradients."""
-    pre, tail, weight, gate_pre = (t.contiguous() for t in inputs)
-    batch, length, width = pre.shape
+    projected, tail, weight = (t.contiguous() for t in inputs)
+    batch, length, columns = projected.shape
+    width = columns - 3 * heads
     d_head, window = width // (3 * heads), weight.shape[1]
-    given = [pre if g is None else g for g in grads]
-    dy = torch.empty(batch, length, width, dtype=_scratch_dtype(pre), device=pre.device)
-    d_pre, d_tail, d_gate = (torch.empty_like(t) for t in (pre, tail, gate_pre))
-    d_w = torch.empty(batch, width, window, dtype=weight.dtype, device=pre.device)
+    given = [projected if g is None else g for g in grads]
+    dy = torch.empty(batch, length, width, dtype=_scratch_dtype(projected), device=tail.device)
+    d_projected, d_tail = torch.empty_like(projected), torch.empty_like(tail)
+    d_w = torch.empty(batch, width, window, dtype=weight.dtype, device=tail.device)
     strides = [s for g in given[:3] for s in _strides(g, 4)]
     strides += [s for g in given[3:] for s in _strides(g, 3)]
     flags = {f"HAS_{n}": g is not None for n, g in zip(_NAMES, grads, strict=True)}
     _heads_bwd[(batch, 3 * heads)](
-        pre, tail, weight, gate_pre, *given, dy, d_pre, d_tail, d_w, d_gate, length, heads,
-        width, *strides, WP2=triton.next_power_of_2(window), **flags,
-        **_constants(d_head, window, pre),
+        projected, tail, weight, *given, dy, d_projected, d_tail, d_w, length, heads,
+        width, columns, *strides, WP2=triton.next_power_of_2(window), **flags,
+        **_constants(d_head, window, projected),
     )  # fmt: skip
-    return d_pre, d_tail, d_w.sum(0), d_gate
+    return d_projected, d_tail, d_w.sum(0)
 
 
 _NAMES = ("Q", "K", "V", "TH", "ETA", "AL", "TAIL")
