@@ -374,6 +374,33 @@ def test_fused_stacked_apply_equals_member_copies_with_gradients_and_is_one_laun
     torch.testing.assert_close(stacked_apply(w1, w2, z, flags, first, count, fused=False), want)
 
 
+def test_fused_read_takes_strided_queries_and_lays_its_output_out_token_major() -> None:
+    """MAC's retrieval: a memory read of a chunk of token-major queries, written over a
+    [B, T, H, d] buffer, so merging its heads per token and W_o's input gradient need no
+    copy; one launch each way, the values and gradients of the member-major read."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, t, i, m = 2, 3, 6, 4, 8
+    w1 = (0.3 * torch.randn(b, h, i, m, generator=gen, dtype=DT)).requires_grad_()
+    w2 = (0.5 * torch.randn(b, h, m, i, generator=gen, dtype=DT)).requires_grad_()
+    tokens = torch.randn(b, t + 3, h, i, generator=gen, dtype=DT).requires_grad_()
+    z = tokens.transpose(1, 2)[:, :, 1 : 1 + t]  # [B, H, T, I] through strides
+    with LaunchCounter() as forward:
+        got = stacked_apply(w1, w2, z, True, 0, 1, fused=True, token_major=True)
+        merged = got.transpose(1, 2).reshape(b, t, h * i)  # a view: no launch
+    assert got.transpose(1, 2).is_contiguous() and merged.data_ptr() == got.data_ptr()
+    want = mlp_apply(w1, w2, z, True)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+    probe = torch.randn(b, t, h * i, generator=gen, dtype=DT)
+    with LaunchCounter() as backward:
+        grads = torch.autograd.grad(merged, (w1, w2, tokens), probe)
+    wanted = torch.autograd.grad(want.transpose(1, 2).reshape(b, t, h * i), (w1, w2, tokens), probe)
+    for x, y in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
+    # the read's operator each way, no copy of z or of the gradient; the other backward
+    # launch is the slice's gradient into ``tokens`` (autograd's, not the read's)
+    assert forward.count == 1 and backward.count == 2, (forward.count, backward.count)
+
+
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_q", "adaptive_q"])
 def test_fused_generation_equals_the_pytorch_epilogue_with_gradients(adaptive: bool) -> None:
     """``hope::smt_generation`` equals F.normalize / softplus / sigmoid on the members'
@@ -866,7 +893,7 @@ def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, flo
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 246) -> None:
+def _check_errors(errors: dict[str, float], fp32_tol: float, count: int = 250) -> None:
     assert len(errors) == count
     for name, err in errors.items():
         # bf16 outputs: a few bf16 ulps (2^-8 each) of the largest value
@@ -912,4 +939,4 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
 def test_triton_kernels_equal_the_pytorch_forms_on_cuda() -> None:
     # float32 only: what training runs, and half the kernels to compile (the interpreter
     # covers float64), so gpu_check's parity part stays within its limit.
-    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=128)
+    _check_errors(_run_worker("cuda", {}, "float32"), fp32_tol=5e-5, count=130)

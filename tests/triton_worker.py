@@ -264,6 +264,18 @@ def apply_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         errors[f"{name}_backward"] = worst(
             memory_apply_backward_triton(*x, grad), memory_apply_backward_reference(*x, grad)
         )
+    # MAC's retrieval: z a chunk of token-major queries, the output token-major and its
+    # gradient a transposed view, all read or written through their strides
+    x = (w1, w2, rand(b, t + 4, h, i).transpose(1, 2)[:, :, 2 : 2 + t], None, True, 2, 1)
+    name = f"apply_strided_{str(dtype).removeprefix('torch.')}"
+    got = memory_apply_triton(*x, True)
+    if not got.transpose(1, 2).is_contiguous():
+        raise AssertionError(f"{name}: not token-major, strides {got.stride()}")
+    errors[f"{name}_forward"] = worst((got,), (memory_apply_reference(*x),))
+    grad = rand(b, t, h, i).transpose(1, 2)
+    errors[f"{name}_backward"] = worst(
+        memory_apply_backward_triton(*x, grad), memory_apply_backward_reference(*x, grad)
+    )
     return errors
 
 

@@ -85,16 +85,19 @@ def mlp_apply(w1: Tensor, w2: Tensor, z: Tensor, residual: Residual) -> Tensor:
 
 
 def stacked_apply(
-    w1: Tensor, w2: Tensor, z: Tensor, residual: Residual, first: int, count: int, fused: bool
+    w1: Tensor, w2: Tensor, z: Tensor, residual: Residual, first: int, count: int, fused: bool,
+    token_major: bool = False,
 ) -> Tensor:  # fmt: skip
     """Members ``first`` ... ``first + count - 1`` of memories stacked along the head axis
     (w1 [B, G*H, d_out, h_m], ``residual`` their flags) applied to a shared z
     [B, H, T, d_in]: [B, count*H, T, d_out], member-major. ``fused``: as one operator
-    (``ops.memory_apply``; the memory backend ``fused``), in the fast state's dtype."""
+    (``ops.memory_apply``; the memory backend ``fused``), in the fast state's dtype, and
+    with ``token_major`` over a [B, T, count*H, d_out] buffer (the same values)."""
     heads = z.shape[1]
     if fused:
         scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
-        return memory_apply(w1, w2, z.to(w1.dtype), scale, residual is True, first, count)  # type: ignore[no-any-return]
+        z = z.to(w1.dtype)
+        return memory_apply(w1, w2, z, scale, residual is True, first, count, token_major)  # type: ignore[no-any-return]
     if (first, count) != (0, w1.shape[1] // heads):
         part = slice(first * heads, (first + count) * heads)
         w1, w2 = w1[:, part], w2[:, part]

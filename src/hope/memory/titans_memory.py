@@ -363,12 +363,17 @@ class NeuralMemory(nn.Module):
         return deep_momentum_write(fast, factors, step, eta, keep, weights), read
 
     def read(
-        self, fast: FastWeights | DeepFastWeights, q: Tensor, backend: str | None = None
+        self,
+        fast: FastWeights | DeepFastWeights,
+        q: Tensor,
+        backend: str | None = None,
+        token_major: bool = False,
     ) -> Tensor:
         """M(q) [B, H, T, d_h] with the given fast weights (any depth); one operator each
-        way under ``fused`` (``stacked_apply`` of the one member)."""
+        way under ``fused`` (``stacked_apply`` of the one member), over a [B, T, H, d_h]
+        buffer with ``token_major`` (so merging the heads per token is a view)."""
         if isinstance(fast, DeepFastWeights):
             return deep_apply(fast.weights, q)
         if resolve_backend(backend) == "fused":
-            return stacked_apply(fast.w1, fast.w2, q, True, 0, 1, fused=True)
+            return stacked_apply(fast.w1, fast.w2, q, True, 0, 1, True, token_major)
         return mlp_apply(fast.w1, fast.w2, q, residual=True)

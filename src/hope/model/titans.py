@@ -207,7 +207,7 @@ class TitansMACBlock(_TitansBlock):
         """h = W_o M*(q) [B, S, d] for queries [B, H, S, d_h] with the given memory
         weights (Ti eq. 21); ``w_o``: a segment's share of the memory's W_o."""
         batch, heads, length, d_head = queries.shape
-        read = self.memory.read(fast, queries)
+        read = self.memory.read(fast, queries, token_major=True)  # [B, S, H, d_h] beneath
         w_o = self.memory.w_o if w_o is None else w_o
         return w_o(read.transpose(1, 2).reshape(batch, length, heads * d_head))
 

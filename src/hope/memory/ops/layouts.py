@@ -43,6 +43,10 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
         ("q", "k_mem", "v_mem", "k_seg", "v_seg", "p_scores", "p_values"), ALL
     ),
     "hope::segment_attention_backward": {"inputs": dict.fromkeys(range(7), ALL), "grad": ALL},
+    # z (a chunk of a call's queries), and in the backward the output's gradient (a
+    # token-major output's, as W_o's input gradient hands it over)
+    "hope::memory_apply": {"z": ALL},
+    "hope::memory_apply_backward": {"z": ALL, "grad": ALL},
     "hope::titans_chunk_rates_backward": dict.fromkeys(
         ("theta", "eta", "alpha", "curvature", "coupling", "g_keep", "g_weights", "g_rate"), ALL
     ),

@@ -12,7 +12,10 @@ forward and ~10 backward. Here it is one launch each way; the backward sums z's
 gradient over the members and gives zero gradients to the members not applied.
 
 On CUDA each direction is one Triton kernel (``triton_apply.py``); elsewhere the same
-closed forms in PyTorch ops.
+closed forms in PyTorch ops. The kernels read z and the output's gradient through their
+strides (``layouts.STRIDED_READS``); ``token_major`` lays the output out as
+[B, T, count*H, O] (its [B, count*H, T, O] view is returned), so a caller that merges
+the heads per token (MAC's retrieval before W_o) needs no copy either way.
 """
 
 from __future__ import annotations
@@ -68,24 +71,31 @@ def memory_apply_backward_reference(
 @torch.library.custom_op("hope::memory_apply", mutates_args=())
 def memory_apply(
     w1: Tensor, w2: Tensor, z: Tensor, scale: Tensor | None, residual: bool, first: int,
-    count: int,
+    count: int, token_major: bool = False,
 ) -> Tensor:  # fmt: skip
     """Members ``first`` ... ``first + count - 1`` of a stack applied to z [B, H, T, I]
     (module docstring); ``scale`` [G*H] the 0/1 residual coefficient per stacked head,
-    or None for ``residual`` on all. -> [B, count*H, T, O], member-major."""
+    or None for ``residual`` on all. -> [B, count*H, T, O], member-major; with
+    ``token_major`` a view of a dense [B, T, count*H, O]."""
     if w1.device.type == "cuda":
         from hope.memory.ops.triton_apply import memory_apply_triton
 
-        return memory_apply_triton(w1, w2, z, scale, residual, first, count)
-    return memory_apply_reference(w1, w2, z, scale, residual, first, count)
+        return memory_apply_triton(w1, w2, z, scale, residual, first, count, token_major)
+    out = memory_apply_reference(w1, w2, z, scale, residual, first, count)
+    return _laid_out(out, token_major)
+
+
+def _laid_out(out: Tensor, token_major: bool) -> Tensor:
+    return out.transpose(1, 2).contiguous().transpose(1, 2) if token_major else out
 
 
 @memory_apply.register_fake
 def _(
     w1: Tensor, w2: Tensor, z: Tensor, scale: Tensor | None, residual: bool, first: int,
-    count: int,
+    count: int, token_major: bool = False,
 ) -> Tensor:  # fmt: skip
-    return w1.new_empty(z.shape[0], count * z.shape[1], z.shape[2], w1.shape[-2])
+    out = w1.new_empty(z.shape[0], count * z.shape[1], z.shape[2], w1.shape[-2])
+    return _laid_out(out, token_major)
 
 
 @torch.library.custom_op("hope::memory_apply_backward", mutates_args=())
@@ -111,7 +121,7 @@ def _(
 
 
 def _apply_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    w1, w2, z, scale, residual, first, count = inputs
+    w1, w2, z, scale, residual, first, count, _ = inputs
     ctx.save_for_backward(w1, w2, z, scale)
     ctx.options = (residual, first, count)
 
@@ -119,7 +129,7 @@ def _apply_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 def _apply_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
     w1, w2, z, scale = ctx.saved_tensors
     g_w1, g_w2, g_z = memory_apply_backward(w1, w2, z, scale, *ctx.options, grad)
-    return g_w1, g_w2, g_z, None, None, None, None
+    return g_w1, g_w2, g_z, None, None, None, None, None
 
 
 memory_apply.register_autograd(_apply_backward, setup_context=_apply_setup)
