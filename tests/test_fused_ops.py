@@ -26,6 +26,7 @@ import hope
 from conftest import assert_states_close, state_leaves
 from hope.bench.measure import LaunchCounter
 from hope.config import TrainConfig
+from hope.layers import apply_rotary
 from hope.memory.conv import causal_depthwise
 from hope.memory.ops import dispatch
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
@@ -697,7 +698,8 @@ def test_fused_titans_heads_equal_the_plain_path_with_gradients_in_one_launch_ea
 
 def _segment_inputs(length: int, persistent: int) -> tuple[torch.Tensor | None, ...]:
     """One MAC segment's attention inputs in the layouts the block hands over: q a
-    slice of the call's queries, h's keys and values views of one projection."""
+    slice of the call's queries, h's keys and values their projection [B, S, 2d] (here
+    with strided rows), the angles slices of the call's tables."""
     gen = torch.Generator().manual_seed(length + persistent)
     batch, heads, dim = 2, 3, 8
 
@@ -705,33 +707,41 @@ def _segment_inputs(length: int, persistent: int) -> tuple[torch.Tensor | None, 
         return torch.randn(*shape, generator=gen, dtype=DT)
 
     q = rand(batch, heads, length + 4, dim)[:, :, 2 : 2 + length]
-    kv = rand(batch, length, 2, heads, dim).permute(2, 0, 3, 1, 4)
+    kv = rand(batch, length, 2 * heads * dim + 5)[..., : 2 * heads * dim]
+    angles = 3 * rand(length + 2, dim // 2)[1 : 1 + length]
     p_scores = rand(batch, heads, length, persistent) if persistent else None
     p_values = rand(1, heads, persistent, dim) if persistent else None
-    inputs = (q, kv[0], kv[1], rand(batch, heads, length, dim), rand(batch, heads, length, dim),
-              p_scores, p_values)  # fmt: skip
-    return tuple(None if t is None else t.requires_grad_() for t in inputs)
+    inputs = (q.requires_grad_(), kv.requires_grad_(), angles.cos(), angles.sin(),
+              rand(batch, heads, length, dim).requires_grad_(),
+              rand(batch, heads, length, dim).requires_grad_(),
+              None if p_scores is None else p_scores.requires_grad_(),
+              None if p_values is None else p_values.requires_grad_())  # fmt: skip
+    return inputs
 
 
 @pytest.mark.parametrize(("length", "persistent"), [(1, 4), (16, 4), (9, 0)])
 def test_fused_segment_attention_equals_the_masked_attention_with_gradients(
     length: int, persistent: int
 ) -> None:
-    """``hope::segment_attention`` against ``masked_attention`` over [P || h || x] with
-    the segment mask, differentiated by autograd: y token-major and every input's
-    gradient, P's values' summed over the batch; one launch forward, one backward (and
-    the sum of P's values' gradients when P is given)."""
+    """``hope::segment_attention`` against rotary and ``masked_attention`` over
+    [P || h || x] with the segment mask, differentiated by autograd: y token-major and
+    every input's gradient (h's projection's as one tensor), P's values' summed over the
+    batch; one launch forward, one backward (and the sum of P's values' gradients when
+    P is given)."""
     inputs = _segment_inputs(length, persistent)
-    q, k_mem, v_mem, k_seg, v_seg, p_scores, p_values = inputs
+    q, kv, cos, sin, k_seg, v_seg, p_scores, p_values = inputs
+    assert q is not None and kv is not None and cos is not None and sin is not None
     with LaunchCounter() as forward:
         got = segment_attention(*inputs)
+    k_mem, v_mem = kv.view(2, length, 2, 3, 8).permute(2, 0, 3, 1, 4)
+    k_mem = apply_rotary(k_mem, cos, sin)
     values = [v_mem, v_seg] if p_values is None else [p_values.expand(2, -1, -1, -1), v_mem, v_seg]
     hidden = ~segment_visibility(length, q.device)
     want = masked_attention(q, torch.cat((k_mem, k_seg), 2), torch.cat(values, 2), hidden, p_scores)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
     assert got.is_contiguous() and got.shape == (2, length, 3, 8)
     probe = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=DT)
-    leaves = [t for t in inputs if t is not None]
+    leaves = [t for t in inputs if t is not None and t.requires_grad]
     with LaunchCounter() as backward:
         grads = torch.autograd.grad(got, leaves, probe)
     wanted = torch.autograd.grad(want, leaves, probe)

@@ -555,7 +555,8 @@ def heads_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
 
 def segment_attention_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     """``hope::segment_attention`` both ways against the PyTorch forms (B, H, S, D, N_p):
-    a tile of exact size with P, a short segment without P, a ragged one; q strided."""
+    a tile of exact size with P, a short segment without P, a ragged one; q strided, h's
+    projection with strided rows, the angles a slice of a table."""
     errors = {}
     for b, h, s, d, n_p in ((2, 3, 16, 8, 4), (2, 2, 5, 16, 0), (1, 2, 37, 12, 3)):
         gen = torch.Generator().manual_seed(s)
@@ -563,7 +564,9 @@ def segment_attention_errors(dtype: torch.dtype, device: str) -> dict[str, float
         def rand(*shape: int, gen: torch.Generator = gen) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
-        x = (rand(b, s, h, d).transpose(1, 2), *(rand(b, h, s, d) for _ in range(4)),
+        angles = 3 * rand(s + 1, d // 2)[1:]
+        x = (rand(b, s, h, d).transpose(1, 2), rand(b, s, 2 * h * d + 3)[..., : 2 * h * d],
+             angles.cos(), angles.sin(), *(rand(b, h, s, d) for _ in range(2)),
              rand(b, h, s, n_p) if n_p else None, rand(1, h, n_p, d) if n_p else None)  # fmt: skip
         name = f"segment_attention_{str(dtype).removeprefix('torch.')}_S{s}_P{n_p}"
         errors[f"{name}_forward"] = worst(
@@ -603,7 +606,9 @@ def bf16_errors(device: str) -> dict[str, float]:
     heads_in = (rand(2, 19, 42).to(bf), rand(2, 3, 36), rand(36, 4))
     heads_out = titans_heads_reference(*up(heads_in), 2)
     heads_grads = [rand(*o.shape).to(bf) for o in heads_out]
-    attn_in = (*(rand(2, 2, 21, 16).to(bf) for _ in range(5)), rand(2, 2, 21, 4).to(bf),
+    angles = 3 * rand(21, 8)  # the tables in fp32 beside bf16 activations, as under autocast
+    attn_in = (rand(2, 2, 21, 16).to(bf), rand(2, 21, 64).to(bf), angles.cos(), angles.sin(),
+               *(rand(2, 2, 21, 16).to(bf) for _ in range(2)), rand(2, 2, 21, 4).to(bf),
                rand(1, 2, 4, 16).to(bf))  # fmt: skip
     attn_grad = rand(2, 21, 2, 16).to(bf)
     rows, rows_grad = rand(2, 3, 7, 24).to(bf), rand(2, 3, 7, 24).to(bf)

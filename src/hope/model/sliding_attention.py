@@ -225,11 +225,14 @@ class PersistentAttention(CausalSelfAttention):
         h_j shares position pos+j with x_j, so the scores of query i with h_j and
         with x_j see the same relative distance.
         """
-        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary, segment.kv)
-        if resolve_backend(None) == "fused":  # one operator each way, the mask implicit
-            y = segment_attention(segment.q_rot, k_h, v_h, segment.k, segment.v,
+        if resolve_backend(None) == "fused" and self.k_norm is None:
+            # one operator each way: h's keys rotated inside, the mask implicit, and
+            # h W_kv's gradient one tensor
+            kv = segment.kv(memory_tokens)  # [B, S, 2d]
+            y = segment_attention(segment.q_rot, kv, *segment.rotary, segment.k, segment.v,
                                   segment.p_scores, segment.p_values)  # fmt: skip
             return segment.out(y.flatten(2))
+        k_h, v_h = self._key_value_heads(memory_tokens, segment.rotary, segment.kv)
         k, values = segment_keys(k_h, v_h, segment.k, segment.v, segment.p_values)
         y = masked_attention(segment.q_rot, k, values, segment.hidden, segment.p_scores)
         return segment.out(y.flatten(2))

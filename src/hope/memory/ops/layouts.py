@@ -38,11 +38,12 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     ),
     # the outputs' gradients (any layout autograd hands over) through their strides
     "hope::titans_heads_backward": {"grads": dict.fromkeys(range(7), ALL)},
-    # q, k, v: slices of the call's projections, h's keys and values views of theirs
+    # q, k, v: slices of the call's projections, h's keys and values their projection,
+    # the angles slices of the call's tables
     "hope::segment_attention": dict.fromkeys(
-        ("q", "k_mem", "v_mem", "k_seg", "v_seg", "p_scores", "p_values"), ALL
+        ("q", "kv_mem", "cos", "sin", "k_seg", "v_seg", "p_scores", "p_values"), ALL
     ),
-    "hope::segment_attention_backward": {"inputs": dict.fromkeys(range(7), ALL), "grad": ALL},
+    "hope::segment_attention_backward": {"inputs": dict.fromkeys(range(8), ALL), "grad": ALL},
     # z (a chunk of a call's queries), and in the backward the output's gradient (a
     # token-major output's, as W_o's input gradient hands it over)
     "hope::memory_apply": {"z": ALL},
@@ -56,11 +57,11 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
 # Operator -> the launches its CUDA wrapper makes after its kernel, whatever the layouts
 # (the RMSNorm backward sums its blocks' shares of the weight's gradient, the Titans
 # heads' backward the conv weight's per-sample gradients, the segment attention's
-# backward P's values' per-sample gradients, when P is given: its inputs' slot 6).
+# backward P's values' per-sample gradients, when P is given: its inputs' slot 7).
 EXTRA_LAUNCHES: dict[str, int | Callable[[dict[str, Any]], int]] = {
     "hope::rms_norm_backward": 1,
     "hope::titans_heads_backward": 1,
-    "hope::segment_attention_backward": lambda values: int(values["inputs"][6] is not None),
+    "hope::segment_attention_backward": lambda values: int(values["inputs"][7] is not None),
 }
 
 

@@ -4,12 +4,17 @@ registers (S and D padded to powers of two >= 16, ``tl.dot``'s smallest tile). T
 scores with the memory tokens h and with the segment's tokens x are two S x S tiles
 under the same causal mask (query i sees j <= i), P's scores a third tile; one
 softmax over the three. Every argument is read through its strides (q, k and v are
-slices of the call's projections, h's keys and values a view of theirs), and y is
-written token-major [B, S, H, D], so the output projection needs no copy.
+slices of the call's projections, h's keys and values columns of their projection
+h W_kv [B, S, 2d]), and y is written token-major [B, S, H, D], so the output projection
+needs no copy. h's keys are rotated on load: the tile at the columns d and at their
+partners d +- D/2 (the rotary pairs), cos and sin per token.
 
 The backward recomputes the probabilities and y, then dscores = probs (dy V^T -
-<dy, y>); P's values' gradient is written per sample and summed by the wrapper (one
-more launch). fp32 products use IEEE precision (no TF32); float64 runs in float64.
+<dy, y>); h's keys' gradient dscores^T q is rotated back with a second product
+dscores^T q' (q's partner columns), and h's keys' and values' gradients are written
+into one [B, S, 2d] gradient of their projection. P's values' gradient is written per
+sample and summed by the wrapper (one more launch). fp32 products use IEEE precision
+(no TF32); float64 runs in float64.
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` (tests/test_fused_ops.py).
 """
@@ -29,6 +34,24 @@ def _tile(ptr, s_b, s_h, s_r, s_c, b, h, rows, cols, n_rows, n_cols, ACC: tl.con
     at = ptr + b * s_b + h * s_h + rows[:, None] * s_r + cols[None, :] * s_c
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     return tl.load(at, mask=mask, other=0.0).to(ACC)
+
+
+@triton.jit
+def _partners(d, D):
+    """The rotary partner column of each head column d (d + D/2 in the first half,
+    d - D/2 in the second; D, outside, for the padding) and the sign of its sine term."""
+    half = D // 2
+    first = d < half
+    partner = tl.where(d < D, tl.where(first, d + half, d - half), D)
+    return partner, tl.where(first, -1.0, 1.0), tl.where(first, d, d - half)
+
+
+@triton.jit
+def _angle(ptr, s_s, s_c, s, d, S, D, ACC: tl.constexpr):
+    """cos or sin [SP, DP] (of a [S, D/2] table) at each (token, head column): its pair's."""
+    _, _, j = _partners(d, D)
+    mask = (s < S)[:, None] & (d < D)[None, :]
+    return tl.load(ptr + s[:, None] * s_s + j[None, :] * s_c, mask=mask, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -53,10 +76,10 @@ def _probabilities(q, k_mem, k_seg, p_scores, s, S, n_p, pc, HAS_P: tl.constexpr
 
 
 @triton.jit
-def _segment_attention(q_ptr, km_ptr, vm_ptr, ks_ptr, vs_ptr, ps_ptr, pv_ptr, g_ptr,
-                       y_ptr, dq_ptr, dkm_ptr, dvm_ptr, dks_ptr, dvs_ptr, dps_ptr, dpv_ptr,
+def _segment_attention(q_ptr, kv_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr, ps_ptr, pv_ptr, g_ptr,
+                       y_ptr, dq_ptr, dkv_ptr, dks_ptr, dvs_ptr, dps_ptr, dpv_ptr,
                        S, D, n_p, H,
-                       q_b, q_h, q_s, q_d, km_b, km_h, km_s, km_d, vm_b, vm_h, vm_s, vm_d,
+                       q_b, q_h, q_s, q_d, kv_b, kv_s, kv_c, c_s, c_c, c2_s, c2_c,
                        ks_b, ks_h, ks_s, ks_d, vs_b, vs_h, vs_s, vs_d, ps_b, ps_h, ps_s, ps_p,
                        pv_h, pv_p, pv_d, g_b, g_s, g_h, g_d,
                        SP: tl.constexpr, DP: tl.constexpr, PP: tl.constexpr,
@@ -66,8 +89,14 @@ def _segment_attention(q_ptr, km_ptr, vm_ptr, ks_ptr, vs_ptr, ps_ptr, pv_ptr, g_
     b, h = bh // H, bh % H
     s, d, pc = tl.arange(0, SP), tl.arange(0, DP), tl.arange(0, PP)
     q = _tile(q_ptr, q_b, q_h, q_s, q_d, b, h, s, d, S, D, ACC)
-    k_mem = _tile(km_ptr, km_b, km_h, km_s, km_d, b, h, s, d, S, D, ACC)
-    v_mem = _tile(vm_ptr, vm_b, vm_h, vm_s, vm_d, b, h, s, d, S, D, ACC)
+    # h's keys (columns h D + d of the projection) rotated, its values (H D + h D + d)
+    partner, sign, _ = _partners(d, D)
+    cos = _angle(cos_ptr, c_s, c_c, s, d, S, D, ACC)
+    sin = _angle(sin_ptr, c2_s, c2_c, s, d, S, D, ACC)
+    k_raw = _tile(kv_ptr, kv_b, D * kv_c, kv_s, kv_c, b, h, s, d, S, D, ACC)
+    k_pair = _tile(kv_ptr, kv_b, D * kv_c, kv_s, kv_c, b, h, s, partner, S, D, ACC)
+    k_mem = k_raw * cos + sign[None, :] * k_pair * sin
+    v_mem = _tile(kv_ptr + H * D * kv_c, kv_b, D * kv_c, kv_s, kv_c, b, h, s, d, S, D, ACC)
     k_seg = _tile(ks_ptr, ks_b, ks_h, ks_s, ks_d, b, h, s, d, S, D, ACC)
     v_seg = _tile(vs_ptr, vs_b, vs_h, vs_s, vs_d, b, h, s, d, S, D, ACC)
     p_scores = tl.zeros([SP, PP], dtype=ACC)
@@ -93,9 +122,17 @@ def _segment_attention(q_ptr, km_ptr, vm_ptr, ks_ptr, vs_ptr, ps_ptr, pv_ptr, g_
         d_q = tl.dot(ds_m, k_mem, input_precision=DOT) + tl.dot(ds_s, k_seg, input_precision=DOT)
         heads = (bh * S + s[:, None]) * D + d[None, :]  # [B, H, S, D]
         tl.store(dq_ptr + heads, d_q, mask=live)
-        tl.store(dkm_ptr + heads, tl.dot(tl.trans(ds_m), q, input_precision=DOT), mask=live)
+        # the rotated keys' gradient g at d and (from q's partner columns) at partner(d):
+        # the keys' is g cos - sign g' sin, the rotation by the opposite angles
+        q_pair = _tile(q_ptr, q_b, q_h, q_s, q_d, b, h, s, partner, S, D, ACC)
+        g_rot = tl.dot(tl.trans(ds_m), q, input_precision=DOT)
+        g_pair = tl.dot(tl.trans(ds_m), q_pair, input_precision=DOT)
+        d_k_mem = g_rot * cos - sign[None, :] * g_pair * sin
+        row = (b * S + s[:, None]) * (2 * H * D) + h * D + d[None, :]  # [B, S, 2d]
+        tl.store(dkv_ptr + row, d_k_mem, mask=live)
+        tl.store(dkv_ptr + H * D + row, tl.dot(tl.trans(probs_m), dy, input_precision=DOT),
+                 mask=live)  # fmt: skip
         tl.store(dks_ptr + heads, tl.dot(tl.trans(ds_s), q, input_precision=DOT), mask=live)
-        tl.store(dvm_ptr + heads, tl.dot(tl.trans(probs_m), dy, input_precision=DOT), mask=live)
         tl.store(dvs_ptr + heads, tl.dot(tl.trans(probs_s), dy, input_precision=DOT), mask=live)
         if HAS_P:
             ds_p = probs_p * (tl.dot(dy, tl.trans(p_values), input_precision=DOT) - along)
@@ -107,26 +144,31 @@ def _segment_attention(q_ptr, km_ptr, vm_ptr, ks_ptr, vs_ptr, ps_ptr, pv_ptr, g_
 
 
 def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k_mem, v_mem, k_seg, v_seg, p_scores, p_values = inputs
-    assert q is not None and k_mem is not None and v_mem is not None
+    q, kv_mem, cos, sin, k_seg, v_seg, p_scores, p_values = inputs
+    assert q is not None and kv_mem is not None and cos is not None and sin is not None
     assert k_seg is not None and v_seg is not None
     batch, heads, length, dim = q.shape
+    if dim % 2 or kv_mem.shape[-1] != 2 * heads * dim:
+        raise ValueError(f"segment_attention: kv_mem {tuple(kv_mem.shape)} for {heads} x {dim}")
     n_p = 0 if p_scores is None else p_scores.shape[-1]
     y = q.new_empty(batch, length, heads, dim) if grad is None else q
     outs: list[Tensor] = [y]
     if grad is not None:
-        outs = [t.new_empty(batch, heads, length, dim) for t in (q, k_mem, v_mem, k_seg, v_seg)]
+        outs = [q.new_empty(q.shape), kv_mem.new_empty(kv_mem.shape),
+                k_seg.new_empty(q.shape), v_seg.new_empty(q.shape)]  # fmt: skip
         if p_scores is not None and p_values is not None:
             outs += [p_scores.new_empty(batch, heads, length, n_p),
                      p_values.new_empty(batch, heads, n_p, dim)]  # fmt: skip
-    slots = outs + [q] * (7 - len(outs))
+    slots = outs + [q] * (6 - len(outs))
     ps = q if p_scores is None else p_scores
     pv = q[:1] if p_values is None else p_values
     g = q.transpose(1, 2) if grad is None else grad
-    strides = [s for t in (q, k_mem, v_mem, k_seg, v_seg, ps) for s in t.stride()]
+    strides = list(q.stride()) + list(kv_mem.stride()) + list(cos.stride()) + list(sin.stride())
+    strides += [s for t in (k_seg, v_seg, ps) for s in t.stride()]
     strides += list(pv.stride()[1:]) + list(g.stride())
     _segment_attention[(batch * heads,)](
-        q, k_mem, v_mem, k_seg, v_seg, ps, pv, g, y, *slots, length, dim, n_p, heads, *strides,
+        q, kv_mem, cos, sin, k_seg, v_seg, ps, pv, g, y, *slots, length, dim, n_p, heads,
+        *strides,
         SP=max(16, triton.next_power_of_2(length)), DP=max(16, triton.next_power_of_2(dim)),
         PP=max(16, triton.next_power_of_2(max(n_p, 1))), HAS_P=n_p > 0,
         BACKWARD=grad is not None, DOT="ieee",
@@ -134,22 +176,23 @@ def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Ten
     )  # fmt: skip
     if grad is None:
         return (y,)
-    d_ps = outs[5] if len(outs) > 5 else None
-    d_pv = outs[6].sum(0, keepdim=True) if len(outs) > 5 else None
-    return (*outs[:5], d_ps, d_pv)
+    d_ps = outs[4] if len(outs) > 4 else None
+    d_pv = outs[5].sum(0, keepdim=True) if len(outs) > 4 else None
+    return (*outs[:4], d_ps, d_pv)
 
 
 def segment_attention_triton(
     q: Tensor,
-    k_mem: Tensor,
-    v_mem: Tensor,
+    kv_mem: Tensor,
+    cos: Tensor,
+    sin: Tensor,
     k_seg: Tensor,
     v_seg: Tensor,
     p_scores: Tensor | None,
     p_values: Tensor | None,
 ) -> Tensor:
     """``hope::segment_attention`` in one kernel launch."""
-    (y,) = _launch((q, k_mem, v_mem, k_seg, v_seg, p_scores, p_values), None)
+    (y,) = _launch((q, kv_mem, cos, sin, k_seg, v_seg, p_scores, p_values), None)
     assert y is not None
     return y
 
