@@ -41,6 +41,7 @@ from hope.memory.ops.pointwise import l2_normalize
 from hope.memory.ops.segment_attention import (
     masked_attention,
     segment_attention,
+    segment_attention_backward,
     segment_visibility,
 )
 from hope.memory.ops.smt_step import smt_step
@@ -281,6 +282,16 @@ def test_dense_copies_skip_only_the_strides_a_kernel_reads() -> None:
     # copied: saved[7] (not read in place) and grads[5] (its rows are not dense)
     assert dense_copies(op, (saved, False, False, 1.0, 4, False, grads), {}) == 2
     assert dense_below(sliced, 2) and not dense_below(twisted, 2) and dense_below(twisted, 4)
+    # memory_pass's backward reads the reads' gradient (a slice of MAC's joined reads')
+    # in place; another strided gradient (D's) is copied
+    op = torch.ops.hope.memory_pass_backward.default
+    joined = torch.zeros(1, 2, 48, 4)[:, :, 16:32]
+    pass_grads = [None, joined, None, None, None, None, None]
+    assert dense_copies(op, ([dense] * 8, True, False, pass_grads), {}) == 0
+    assert dense_copies(op, ([dense] * 8, True, False, [joined] * 2 + [None] * 5), {}) == 1
+    # memory_apply reads z and, backward, the output's gradient through their strides
+    op = torch.ops.hope.memory_apply_backward.default
+    assert dense_copies(op, (dense, dense, twisted, None, True, 0, 1, twisted), {}) == 0
 
 
 PASS_CASES = {
@@ -749,6 +760,12 @@ def test_fused_segment_attention_equals_the_masked_attention_with_gradients(
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
         assert w.abs().max() > 1e-3 or length == 1  # one token: q and k get no gradient
     assert (forward.count, backward.count) == (1, 1 + int(persistent > 0))
+    if p_values is not None:  # P's values per sample (MAC's, expanded): gradient per sample
+        per_sample = list(inputs[:7]) + [p_values.expand(2, -1, -1, -1)]
+        with LaunchCounter() as backward:
+            found = segment_attention_backward(per_sample, probe)
+        assert backward.count == 1 and found[-1].shape == (2, 3, persistent, 8)
+        torch.testing.assert_close(found[-1].sum(0, keepdim=True), grads[-1], rtol=1e-13, atol=0)
 
 
 def _train_step(model_cfg: ModelConfig, backend: str) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -204,7 +204,9 @@ class PersistentAttention(CausalSelfAttention):
         persistent = self._persistent_kv(x.dtype)
         p_scores = self._persistent_scores(self._scaled(q), persistent)
         cos, sin = (t.split(segment) for t in rotary)
-        p_values = None if persistent is None else persistent[1]
+        # P's values per sample (a view): each segment's gradient stays per sample, and
+        # the batch is summed once per call, by the expand's backward
+        p_values = None if persistent is None else persistent[1].expand(x.shape[0], -1, -1, -1)
         # backend "compile" traces each segment's attention: plain parameters there.
         shared = share_across(
             len(cos), [p_values],

@@ -44,6 +44,8 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
         ("q", "kv_mem", "cos", "sin", "k_seg", "v_seg", "p_scores", "p_values"), ALL
     ),
     "hope::segment_attention_backward": {"inputs": dict.fromkeys(range(8), ALL), "grad": ALL},
+    # the reads' gradient (a slice of MAC's joined reads' gradient) through its strides
+    "hope::memory_pass_backward": {"grads": {1: ALL}},
     # z (a chunk of a call's queries), and in the backward the output's gradient (a
     # token-major output's, as W_o's input gradient hands it over)
     "hope::memory_apply": {"z": ALL},
@@ -57,11 +59,14 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
 # Operator -> the launches its CUDA wrapper makes after its kernel, whatever the layouts
 # (the RMSNorm backward sums its blocks' shares of the weight's gradient, the Titans
 # heads' backward the conv weight's per-sample gradients, the segment attention's
-# backward P's values' per-sample gradients, when P is given: its inputs' slot 7).
+# backward P's values' per-sample gradients, when P's values are given as [1, ...]
+# rather than per sample: its inputs' slot 7).
 EXTRA_LAUNCHES: dict[str, int | Callable[[dict[str, Any]], int]] = {
     "hope::rms_norm_backward": 1,
     "hope::titans_heads_backward": 1,
-    "hope::segment_attention_backward": lambda values: int(values["inputs"][7] is not None),
+    "hope::segment_attention_backward": lambda values: int(
+        values["inputs"][7] is not None and values["inputs"][7].shape[0] != values["grad"].shape[0]
+    ),
 }
 
 

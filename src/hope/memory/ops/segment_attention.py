@@ -85,7 +85,8 @@ def segment_attention_reference(
     """y [B, S, H, D] of one segment: q [B, H, S, D] (rotated, scaled), the memory
     tokens' projection kv_mem [B, S, 2d] and their angles cos, sin [S, D/2]
     (``memory_heads``), the segment's keys and values [B, H, S, D], P's scores with the
-    queries [B, H, S, N_p] and P's values [1, H, N_p, D] (both or neither)."""
+    queries [B, H, S, N_p] and P's values [1 or B, H, N_p, D] (both or neither; per
+    sample, e.g. expanded, their gradient is per sample too)."""
     k_mem, v_mem = memory_heads(kv_mem, cos, sin, q.shape[1])
     keys, values = segment_keys(k_mem, v_mem, k_seg, v_seg, p_values)
     hidden = ~segment_visibility(q.shape[2], q.device)
@@ -115,7 +116,9 @@ def segment_attention_backward_reference(
     d_context = d_scores[..., n_p:]
     d_keys = d_context.transpose(-1, -2) @ q
     d_values = probs.transpose(-1, -2) @ dy
-    d_pv = None if p_values is None else d_values[:, :, :n_p].sum(0, keepdim=True)
+    d_pv = None if p_values is None else d_values[:, :, :n_p].clone()
+    if p_values is not None and p_values.shape[0] != q.shape[0]:  # shared: summed here
+        d_pv = d_values[:, :, :n_p].sum(0, keepdim=True)
     d_ps = None if p_scores is None else d_scores[..., :n_p].clone()
     v_part = d_values[:, :, n_p:]
     d_k_mem = apply_rotary(d_keys[:, :, :length], cos, -sin)  # the rotation's transpose

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import flat_heads, load_tile, store_tile
+from hope.memory.ops.triton_kernels import flat_heads, load_strided, load_tile, store_tile
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def rows_backward(z, g_out, w1, w2, DOT: tl.constexpr):
 def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
                      gvhat_ptr, gread_ptr, gerr_ptr, gact_ptr, ghid_ptr, gpre_ptr, gcurv_ptr,
                      dw1_ptr, dw2_ptr, dk_ptr, dv_ptr, dq_ptr, dtgt_ptr,
-                     H, GH, C, CQ, I, O, M,
+                     H, GH, C, CQ, I, O, M, sr_b, sr_h, sr_t, sr_o,
                      HAS_V: tl.constexpr, HAS_Q: tl.constexpr, HAS_SCALE: tl.constexpr,
                      RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr,
                      HAS_GVHAT: tl.constexpr, HAS_GREAD: tl.constexpr, HAS_GERR: tl.constexpr,
@@ -175,7 +175,9 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
             g_vhat += g_tgt
         else:
             store_tile(dtgt_ptr + co, g_tgt, t, o, C, O, O)
-        g_read = load_tile(gread_ptr + sh * CQ * O, t, o, CQ if HAS_GREAD else 0, O, O)
+        # the reads' gradient through its strides (a slice of the caller's joined reads')
+        g_read = load_strided(gread_ptr + head // H * sr_b + gh * sr_h, t, o,
+                              CQ if HAS_GREAD else 0, O, sr_t, sr_o)  # fmt: skip
         for m0 in range(0, M, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
             w2 = load_tile(w2_ptr_g, m, i, M, I, I)
@@ -225,6 +227,9 @@ def _memory_pass_bwd(w1_ptr, w2_ptr, k_ptr, v_ptr, q_ptr, scale_ptr, err_ptr,
 
 def pad_size(n: int) -> int:  # tl.dot's smallest tile is 16
     return max(16, triton.next_power_of_2(n))
+
+
+_READ_STRIDES = ("sr_b", "sr_h", "sr_t", "sr_o")  # the reads' gradient's, in the backward
 
 
 def pass_sizes(w1: Tensor, k: Tensor, q: Tensor | None, skip: bool) -> dict[str, Any]:
@@ -282,6 +287,9 @@ def memory_pass_backward_triton(
     vf, qf = (kf if t is None else flat_heads(t) for t in (v, q))
     sf = kf if scale is None else scale.to(w1.dtype).contiguous()
     g_flat = [kf if g is None else flat_heads(g) for g in grads]
+    g_flat[1] = kf if grads[1] is None else grads[1]  # read through its strides
+    read_strides = [0] * 4 if grads[1] is None else list(grads[1].stride())
+    strided = dict(zip(_READ_STRIDES, read_strides, strict=True))
     outs = (
         w1.new_empty(w1.shape),
         w1.new_empty(w2.shape),
@@ -291,7 +299,7 @@ def memory_pass_backward_triton(
     flags = ("HAS_GVHAT", "HAS_GREAD", "HAS_GERR", "HAS_GACT", "HAS_GHID", "HAS_GPRE", "HAS_GCURV")
     _memory_pass_bwd[(k.shape[0] * k.shape[1],)](
         flat_heads(w1), flat_heads(w2), kf, vf, qf, sf, flat_heads(err), *g_flat,
-        *(kf if t is None else t for t in outs),
+        *(kf if t is None else t for t in outs), **strided,
         HAS_V=v is not None, HAS_Q=q is not None, HAS_SCALE=scale is not None,
         RESIDUAL=residual, DOT_LOSS=dot,
         **{f: g is not None for f, g in zip(flags, grads, strict=True)}, **sizes,

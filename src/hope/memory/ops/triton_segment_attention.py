@@ -13,8 +13,9 @@ The backward recomputes the probabilities and y, then dscores = probs (dy V^T -
 <dy, y>); h's keys' gradient dscores^T q is rotated back with a second product
 dscores^T q' (q's partner columns), and h's keys' and values' gradients are written
 into one [B, S, 2d] gradient of their projection. P's values' gradient is written per
-sample and summed by the wrapper (one more launch). fp32 products use IEEE precision
-(no TF32); float64 runs in float64.
+sample, and summed by the wrapper (one more launch) when P's values came as [1, ...]
+rather than per sample (expanded over the batch: the caller sums them). fp32 products
+use IEEE precision (no TF32); float64 runs in float64.
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` (tests/test_fused_ops.py).
 """
@@ -81,7 +82,7 @@ def _segment_attention(q_ptr, kv_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr, ps_ptr, 
                        S, D, n_p, H,
                        q_b, q_h, q_s, q_d, kv_b, kv_s, kv_c, c_s, c_c, c2_s, c2_c,
                        ks_b, ks_h, ks_s, ks_d, vs_b, vs_h, vs_s, vs_d, ps_b, ps_h, ps_s, ps_p,
-                       pv_h, pv_p, pv_d, g_b, g_s, g_h, g_d,
+                       pv_b, pv_h, pv_p, pv_d, g_b, g_s, g_h, g_d,
                        SP: tl.constexpr, DP: tl.constexpr, PP: tl.constexpr,
                        HAS_P: tl.constexpr, BACKWARD: tl.constexpr, DOT: tl.constexpr,
                        ACC: tl.constexpr):  # fmt: skip
@@ -103,7 +104,7 @@ def _segment_attention(q_ptr, kv_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr, ps_ptr, 
     p_values = tl.zeros([PP, DP], dtype=ACC)
     if HAS_P:
         p_scores = _tile(ps_ptr, ps_b, ps_h, ps_s, ps_p, b, h, s, pc, S, n_p, ACC)
-        p_values = _tile(pv_ptr, 0, pv_h, pv_p, pv_d, 0, h, pc, d, n_p, D, ACC)
+        p_values = _tile(pv_ptr, pv_b, pv_h, pv_p, pv_d, b, h, pc, d, n_p, D, ACC)
     probs_p, probs_m, probs_s = _probabilities(q, k_mem, k_seg, p_scores, s, S, n_p, pc,
                                                HAS_P, DOT)  # fmt: skip
     y = tl.dot(probs_m, v_mem, input_precision=DOT) + tl.dot(probs_s, v_seg, input_precision=DOT)
@@ -165,7 +166,8 @@ def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Ten
     g = q.transpose(1, 2) if grad is None else grad
     strides = list(q.stride()) + list(kv_mem.stride()) + list(cos.stride()) + list(sin.stride())
     strides += [s for t in (k_seg, v_seg, ps) for s in t.stride()]
-    strides += list(pv.stride()[1:]) + list(g.stride())
+    pv_batch = 0 if pv.shape[0] == 1 else pv.stride(0)  # P's values, shared or per sample
+    strides += [pv_batch, *pv.stride()[1:], *g.stride()]
     _segment_attention[(batch * heads,)](
         q, kv_mem, cos, sin, k_seg, v_seg, ps, pv, g, y, *slots, length, dim, n_p, heads,
         *strides,
@@ -176,9 +178,12 @@ def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Ten
     )  # fmt: skip
     if grad is None:
         return (y,)
-    d_ps = outs[4] if len(outs) > 4 else None
-    d_pv = outs[5].sum(0, keepdim=True) if len(outs) > 4 else None
-    return (*outs[:4], d_ps, d_pv)
+    if len(outs) == 4:
+        return (*outs, None, None)
+    assert p_values is not None
+    # per sample when P's values came per sample (expanded: the caller sums them)
+    d_pv = outs[5] if p_values.shape[0] == batch else outs[5].sum(0, keepdim=True)
+    return (*outs[:4], outs[4], d_pv)
 
 
 def segment_attention_triton(
