@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from hope.memory.ops.layouts import wrapper_launches
 from hope.memory.ops.loop_shared import LoopLinear, share_across
 
 DT = torch.float64
@@ -30,7 +31,7 @@ class OpCounter(TorchDispatchMode):
 
 def _params(seed: int = 0, dtype: torch.dtype = DT) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"scale": (DIM,), "w": (DIM, DIM), "b": (DIM,), "u": (2 * DIM, DIM)}
+    shapes = {"scale": (DIM,), "w": (DIM, DIM), "b": (DIM,), "u": (2 * DIM, DIM), "g": (DIM,)}
     return {
         name: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
         for name, shape in shapes.items()
@@ -42,15 +43,20 @@ def _inputs(seed: int = 1, dtype: torch.dtype = DT) -> list[torch.Tensor]:
     return [torch.randn(BATCH, LENGTH, DIM, generator=g, dtype=dtype) for _ in range(STEPS)]
 
 
-def _loop(params: dict[str, torch.Tensor], xs: list[torch.Tensor], shared: bool) -> torch.Tensor:
-    """A recurrence that uses every parameter once per step: h <- tanh(W(h * s) + b) +
-    the first half of U x; the loss reads every step's h."""
+def _loop(
+    params: dict[str, torch.Tensor], xs: list[torch.Tensor], shared: bool, defer: bool = False
+) -> torch.Tensor:
+    """A recurrence that uses every parameter once per step: h <- tanh(W(N(h) * s) + b) +
+    the first half of U x, N an RMSNorm of weight g; the loss reads every step's h."""
     parts = share_across(
-        len(xs), [params["scale"]], [(params["w"], params["b"]), (params["u"], None)], shared
-    )
-    h, total = torch.zeros_like(xs[0]), xs[0].new_zeros(())
-    for x, ((scale,), (w, u)) in zip(xs, parts, strict=True):
-        h = torch.tanh(w(h * scale) + b_free(u(x))) + h
+        len(xs), tensors=[params["scale"]],
+        linears=[(params["w"], params["b"]), (params["u"], None)],
+        norms=[(params["g"], 1e-6)], enabled=shared, defer_norms=defer,
+    )  # fmt: skip
+    h, total = xs[0] * 0.5, xs[0].new_zeros(())
+    for x, part in zip(xs, parts, strict=True):
+        (scale,), (w, u), (norm,) = part.tensors, part.linears, part.norms
+        h = torch.tanh(w(norm(h) * scale) + b_free(u(x))) + h
         total = total + (h * h).sum()
     return total
 
@@ -59,43 +65,49 @@ def b_free(y: torch.Tensor) -> torch.Tensor:
     return y[..., :DIM] * y[..., DIM:]
 
 
-def _grads(shared: bool, **kw: Any) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def _grads(shared: bool, defer: bool = False) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     params, xs = _params(), _inputs()
     for x in xs:
         x.requires_grad_()
-    loss = _loop(params, xs, shared, **kw)
+    loss = _loop(params, xs, shared, defer)
     grads = torch.autograd.grad(loss, [*params.values(), *xs])
     return loss, list(grads)
 
 
-def test_shared_loop_equals_the_plain_loop_in_float64() -> None:
+@pytest.mark.parametrize("defer", [False, True], ids=["norm_summed", "norm_deferred"])
+def test_shared_loop_equals_the_plain_loop_in_float64(defer: bool) -> None:
     loss, grads = _grads(shared=False)
-    loss_s, grads_s = _grads(shared=True)
-    torch.testing.assert_close(loss_s, loss, rtol=0, atol=0)
+    loss_s, grads_s = _grads(shared=True, defer=defer)
+    torch.testing.assert_close(loss_s, loss, rtol=1e-14, atol=0)
     for got, want in zip(grads_s, grads, strict=True):
         assert got is not None and want is not None
+        assert want.abs().max() > 1e-3  # every parameter and input reached
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_each_gradient_is_taken_once_per_call() -> None:
-    """Backward's weight matmuls and accumulations do not grow with the loop's length."""
-    counts = {}
+    """Backward's weight matmuls, norm weight sums and accumulations do not grow with
+    the loop's length."""
     for steps in (3, 6):
         params = _params()
         xs = [torch.randn(BATCH, LENGTH, DIM, dtype=DT) for _ in range(steps)]
-        loss = _loop(params, xs, shared=True)
+        loss = _loop(params, xs, shared=True, defer=True)
         counter = OpCounter()
         with counter:
             loss.backward()
-        counts[steps] = counter.ops
-    # per step: W's input gradient and the read of the first input (no U input grad)
-    assert counts[6]["mm"] - counts[3]["mm"] == 3
-    # the weight gradients: W and U once each (+ b as one sum) whatever the length
-    assert counts[3]["mm"] == 3 + 2 and counts[6]["mm"] == 6 + 2
-    # the scale's gradient: one stack and one sum, no accumulation per step
-    assert counts[3]["stack"] == counts[6]["stack"] == 1
-    grew = {op for op in counts[6] if counts[6][op] > counts[3][op]}
-    assert "stack" not in grew and "cat" in counts[6]
+        ops = counter.ops
+        # per step W's input gradient (x needs none, so U has none); W's and U's weight
+        # gradients once each (b's as one sum of the joined output gradients)
+        assert ops["mm"] == steps + 2, ops
+        # per step the norm's input gradient (no weight share); its weight's once
+        assert ops["rms_norm_backward"] == steps + 1, ops
+        # the scale's gradient: one stack and one sum; the stashes: two cats each
+        assert ops["stack"] == 1 and ops["cat"] == 2 * 3, ops
+    # a step's norm backward launches its kernel only (no sum of the blocks' shares)
+    op = torch.ops.hope.rms_norm_backward.default
+    x, w = torch.ones(2, DIM), torch.ones(DIM)
+    assert wrapper_launches(op, (x, w, x, 1e-6, False), {}) == 0
+    assert wrapper_launches(op, (x, w, x, 1e-6), {}) == 1
 
 
 def test_plain_loop_accumulates_per_step() -> None:
@@ -110,6 +122,7 @@ def test_plain_loop_accumulates_per_step() -> None:
             loss.backward()
         ops[steps] = counter.ops
     assert ops[6]["mm"] - ops[3]["mm"] == 3 * 3  # W's input and weight, U's weight
+    assert ops[6]["stack"] == ops[3]["stack"] == 0
 
 
 def test_a_second_backward_restashes() -> None:
@@ -128,9 +141,9 @@ def test_a_linear_alias_used_directly_keeps_its_gradient() -> None:
     w_shared = w_plain.detach().clone().requires_grad_()
     xs = _inputs()
     for weight, shared in ((w_plain, False), (w_shared, True)):
-        parts = share_across(len(xs), [], [(weight, None)], shared)
-        pairs = zip(xs, parts, strict=True)
-        loss = sum(((lin(x) + x @ lin.weight) ** 2).sum() for x, (_, (lin,)) in pairs)
+        parts = share_across(len(xs), linears=[(weight, None)], enabled=shared)
+        pairs = [(x, part.linears[0]) for x, part in zip(xs, parts, strict=True)]
+        loss = sum(((lin(x) + x @ lin.weight) ** 2).sum() for x, lin in pairs)
         assert isinstance(loss, torch.Tensor)
         loss.backward()
     assert w_shared.grad is not None and w_plain.grad is not None
@@ -141,18 +154,21 @@ def test_without_gradients_the_tensors_themselves_are_handed_out() -> None:
     params = _params()
     with torch.no_grad():
         parts = share_across(3, [params["scale"], None], [(params["w"], params["b"])])
-    for (scale, missing), (lin,) in parts:
+    for part in parts:
+        (scale, missing), (lin,) = part.tensors, part.linears
         assert scale is params["scale"] and missing is None
         assert lin.weight is params["w"] and lin.bias is params["b"] and lin.stash is None
-    (scale, _), (lin,) = share_across(2, [params["scale"], None], [(params["w"], None)])[1]
+    part = share_across(2, [params["scale"], None], [(params["w"], None)], [(params["g"], 0.1)])[1]
+    (scale, _), (lin,), (norm,) = part.tensors, part.linears, part.norms
     assert scale is not params["scale"] and lin.stash is not None
+    assert norm.stash is None and norm.eps == 0.1  # summed, not deferred, by default
 
 
 def test_checkpointed_loop_trains_the_same() -> None:
     """Block checkpointing recomputes the loop's forward in backward; the gradients stay."""
     params, xs = _params(), _inputs()
     plain = torch.autograd.grad(_loop(params, xs, shared=True), list(params.values()))
-    loss = checkpoint(_loop, params, xs, True, use_reentrant=False)
+    loss = checkpoint(_loop, params, xs, True, True, use_reentrant=False)  # norms deferred
     again = torch.autograd.grad(loss, list(params.values()))
     for got, want in zip(again, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

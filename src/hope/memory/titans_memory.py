@@ -193,8 +193,8 @@ class NeuralMemory(nn.Module):
         """One ``MemoryProjection`` per iteration of a caller's loop of ``copies`` calls,
         each parameter's gradient taken once for the loop (``loop_shared``)."""
         conv = None if self.conv is None else self.conv.weight
-        shared = share_across(copies, [conv], [self._joined_map()], enabled)
-        return [MemoryProjection(inputs, conv) for (conv,), (inputs,) in shared]
+        shared = share_across(copies, [conv], [self._joined_map()], enabled=enabled)
+        return [MemoryProjection(share.linears[0], share.tensors[0]) for share in shared]
 
     def _joined_map(self) -> tuple[Tensor, Tensor]:
         """W_qkv and the gates' map as one: weight [3d + 3H, d], bias [3d + 3H] (zero

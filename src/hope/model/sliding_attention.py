@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from hope.layers import rotary_tables
 from hope.memory.ops.dispatch import resolve_backend, rotated
-from hope.memory.ops.loop_shared import LoopLinear, share_across
+from hope.memory.ops.loop_shared import LoopLinear, LoopShare, share_across
 from hope.memory.ops.segment_attention import (
     masked_attention,
     segment_attention,
@@ -81,7 +81,7 @@ class SegmentContext:
     k: Sequence[Tensor]
     v: Sequence[Tensor]
     rotary: Sequence[Rotary]
-    shared: Sequence[tuple[list[Tensor | None], list[LoopLinear]]]  # per segment
+    shared: Sequence[LoopShare]  # per segment: P's values, the k/v rows and W_o
     p_scores: Sequence[Tensor] | None
     hidden: Tensor  # [S, 2S] for a full segment
 
@@ -90,7 +90,8 @@ class SegmentContext:
         full = self.hidden.shape[0] == length
         hidden = self.hidden if full else ~segment_visibility(length, self.hidden.device)
         p_scores = None if self.p_scores is None else self.p_scores[index]
-        (p_values,), (kv, out) = self.shared[index]
+        share = self.shared[index]
+        (p_values,), (kv, out) = share.tensors, share.linears
         return SegmentView(
             self.q_rot[index], self.k[index], self.v[index], self.rotary[index],
             kv, out, p_scores, p_values, hidden,
@@ -209,8 +210,8 @@ class PersistentAttention(CausalSelfAttention):
         p_values = None if persistent is None else persistent[1].expand(x.shape[0], -1, -1, -1)
         # backend "compile" traces each segment's attention: plain parameters there.
         shared = share_across(
-            len(cos), [p_values],
-            [(self.qkv.weight[x.shape[2]:], None), (self.out.weight, self.out.bias)],
+            len(cos), tensors=[p_values],
+            linears=[(self.qkv.weight[x.shape[2]:], None), (self.out.weight, self.out.bias)],
             enabled=resolve_backend(None) != "compile",
         )  # fmt: skip
         return SegmentContext(

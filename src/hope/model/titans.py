@@ -32,8 +32,8 @@ from torch.nn import functional as F
 from hope.layers import MLP, swiglu_hidden
 from hope.memory.deep_mlp import DeepFastWeights
 from hope.memory.norm import RMSNorm
-from hope.memory.ops.dispatch import compiled, resolve_backend, rms_normalized, unit_rows
-from hope.memory.ops.loop_shared import LoopLinear, share_across
+from hope.memory.ops.dispatch import compiled, resolve_backend, unit_rows
+from hope.memory.ops.loop_shared import LoopLinear, LoopNorm, share_across
 from hope.memory.residual_mlp import FastWeights
 from hope.memory.titans_memory import MemoryProjection, NeuralMemory, NeuralMemoryState
 from hope.model.attention import KVCache
@@ -57,8 +57,8 @@ class _SegmentShare:
     write's input, the memory's projections."""
 
     retrieve_out: LoopLinear
-    h_norm: Tensor
-    write_norm: Tensor
+    h_norm: LoopNorm
+    write_norm: LoopNorm
     memory: MemoryProjection
 
 
@@ -221,18 +221,22 @@ class TitansMACBlock(_TitansBlock):
         """y [B, S, d] of one segment: Attn([P || h || S]) with h = W_o M*_{s-1}(q(S)),
         M_{s-1} = ``fast``, the memory before this segment's write (Ti eqs. 21-22)."""
         h = self.retrieve(queries, fast, share.retrieve_out)
-        return self.attn.attend_segment(segment, rms_normalized(h, share.h_norm, self.h_norm.eps))
+        return self.attn.attend_segment(segment, share.h_norm(h))
 
     def _segment_shares(self, copies: int) -> list[_SegmentShare]:
         """Each segment's aliases of the parameters every segment uses, their gradients
         taken once per call; backend "compile" traces a segment: plain parameters there."""
-        enabled = resolve_backend(None) != "compile"
-        norms = [self.h_norm.weight, self.write_norm.weight]
-        shared = share_across(copies, norms, [(self.memory.w_o.weight, None)], enabled)
+        backend = resolve_backend(None)
+        enabled = backend != "compile"
+        norms = [(norm.weight, norm.eps) for norm in (self.h_norm, self.write_norm)]
+        shared = share_across(
+            copies, linears=[(self.memory.w_o.weight, None)], norms=norms, enabled=enabled,
+            defer_norms=backend == "fused",
+        )  # fmt: skip
         memory = self.memory.projections(copies, enabled)
         return [
-            _SegmentShare(w_o, h_norm, write_norm, projection)
-            for ((h_norm, write_norm), (w_o,)), projection in zip(shared, memory, strict=True)
+            _SegmentShare(share.linears[0], share.norms[0], share.norms[1], projection)
+            for share, projection in zip(shared, memory, strict=True)
         ]
 
     def forward(self, x: Tensor, state: TitansState, pos: int) -> tuple[Tensor, TitansState]:
@@ -257,7 +261,7 @@ class TitansMACBlock(_TitansBlock):
         for index, (q, share) in enumerate(zip(queries, shares, strict=True)):
             y = mix(self, q, memory.memory, context.segment(index), share)
             # reads M_{s-1}, writes y; the reads' output projection runs once, below
-            y_n = rms_normalized(y, share.write_norm, self.write_norm.eps)
+            y_n = share.write_norm(y)
             m, memory = self.memory.read_write(y_n, memory, projection=share.memory)
             ys.append(y)
             reads.append(m)

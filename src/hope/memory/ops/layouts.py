@@ -57,12 +57,12 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
 
 
 # Operator -> the launches its CUDA wrapper makes after its kernel, whatever the layouts
-# (the RMSNorm backward sums its blocks' shares of the weight's gradient, the Titans
-# heads' backward the conv weight's per-sample gradients, the segment attention's
-# backward P's values' per-sample gradients, when P's values are given as [1, ...]
-# rather than per sample: its inputs' slot 7).
+# (the RMSNorm backward sums its blocks' shares of the weight's gradient when asked for
+# it, the Titans heads' backward the conv weight's per-sample gradients, the segment
+# attention's backward P's values' per-sample gradients when P's values are given as
+# [1, ...] rather than per sample: its inputs' slot 7).
 EXTRA_LAUNCHES: dict[str, int | Callable[[dict[str, Any]], int]] = {
-    "hope::rms_norm_backward": 1,
+    "hope::rms_norm_backward": lambda values: int(values.get("weight_grad", True)),
     "hope::titans_heads_backward": 1,
     "hope::segment_attention_backward": lambda values: int(
         values["inputs"][7] is not None and values["inputs"][7].shape[0] != values["grad"].shape[0]

@@ -11,7 +11,10 @@ gradients at once:
 - a plain tensor's n gradients are summed with one ``stack`` and one ``sum``;
 - a linear map (``LoopLinear``) does not take its weight gradient per iteration: each
   iteration's backward hands its input rows and output gradient to the node, which
-  takes the weight's (and bias's) gradient as one matmul over all of them.
+  takes the weight's (and bias's) gradient as one matmul over all of them;
+- an RMSNorm (``LoopNorm``, backend ``fused``) likewise: each iteration's backward takes
+  only its input's gradient (no sum of the kernel's blocks' weight shares), and the
+  node takes the weight's as one ``hope::rms_norm_backward`` over all iterations' rows.
 
 Same values as the plain loop; the gradient sums run in another order (float64 tests).
 Under autocast a linear map's weight and bias are cast once per call, not per iteration,
@@ -22,14 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-# A shared tensor, or None where the caller has none (kept None in every iteration).
-MaybeTensor = TypeVar("MaybeTensor", Tensor, Tensor | None)
+from hope.memory.ops.dispatch import rms_normalized
+from hope.memory.ops.rms_norm import rms_norm, rms_norm_backward
 
 
 @dataclass
@@ -39,6 +42,23 @@ class _Stash:
 
     inputs: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
+    eps: float = 0.0  # an RMSNorm's
+
+
+@dataclass(frozen=True)
+class LoopNorm:
+    """One iteration's RMSNorm x / rms(x) ⊙ w (``dispatch.rms_normalized``); with a stash
+    (backend ``fused``) its weight's gradient is taken once for the whole loop."""
+
+    weight: Tensor  # [d]
+    eps: float
+    stash: _Stash | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.stash is None:
+            return rms_normalized(x, self.weight, self.eps)
+        out: Tensor = _DeferredNorm.apply(x, self.weight, self.stash)
+        return out
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,26 @@ class _DeferredLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
+class _DeferredNorm(torch.autograd.Function):
+    """``hope::rms_norm`` whose backward returns only the input's gradient and stashes
+    the input and the output gradient for ``_FanOut``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, stash: _Stash) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.stash = stash
+        out: Tensor = rms_norm(x, weight, stash.eps)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        x, weight = ctx.saved_tensors
+        ctx.stash.inputs.append(x)
+        ctx.stash.grads.append(grad)
+        grad_x, _ = rms_norm_backward(x, weight, grad, ctx.stash.eps, False)
+        return grad_x, None, None
+
+
 class _FanOut(torch.autograd.Function):
     """``copies`` aliases of each tensor (copy-major); backward sums each tensor's
     gradients once, or, for a linear map's weight and bias, takes them from the stash."""
@@ -89,6 +129,9 @@ class _FanOut(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.roles = roles
+        # an RMSNorm's weight enters its own gradient (``rms_norm_backward``)
+        norms = [t if role == "norm" else None for (role, _), t in zip(roles, tensors, strict=True)]
+        ctx.save_for_backward(*norms)
         return tuple(t.view_as(t) for _ in range(copies) for t in tensors)
 
     @staticmethod
@@ -105,7 +148,10 @@ class _FanOut(torch.autograd.Function):
             if id(stash) not in joined:  # one cat each of the rows and the gradients
                 joined[id(stash)] = _rows(stash.inputs), _rows(stash.grads)
             rows, grad = joined[id(stash)]
-            taken = grad.T @ rows if role == "weight" else grad.sum(0)
+            if role == "norm":
+                taken = rms_norm_backward(rows, ctx.saved_tensors[slot], grad, stash.eps)[1]
+            else:
+                taken = grad.T @ rows if role == "weight" else grad.sum(0)
             out.append(taken if summed is None else taken + summed)
         for _, stash in ctx.roles:  # a second backward (retain_graph) restashes
             if stash is not None:
@@ -134,41 +180,81 @@ def _autocast_cast(t: Tensor) -> Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class LoopShare:
+    """One iteration's share (``share_across``): its aliases of the shared tensors, its
+    linear maps and its RMSNorms, each in the order given."""
+
+    tensors: list[Any]  # Tensor or None, as given
+    linears: list[LoopLinear]
+    norms: list[LoopNorm]
+
+
 def share_across(
     copies: int,
-    tensors: Sequence[MaybeTensor],
+    tensors: Sequence[Tensor | None] = (),
     linears: Sequence[tuple[Tensor, Tensor | None]] = (),
+    norms: Sequence[tuple[Tensor, float]] = (),
     enabled: bool = True,
-) -> list[tuple[list[MaybeTensor], list[LoopLinear]]]:
-    """Per iteration of a loop of ``copies``: aliases of ``tensors`` (None stays None)
-    and ``LoopLinear`` maps of ``linears`` (weight [out, in], bias [out] or None), all
-    from one autograd node (module docstring). ``enabled=False``, or nothing that
-    needs a gradient: the tensors themselves and plain linear maps."""
-    flat = [t for t in tensors if t is not None]
-    needs_grad = torch.is_grad_enabled() and (
-        any(t.requires_grad for t in flat)
-        or any(w.requires_grad or (b is not None and b.requires_grad) for w, b in linears)
-    )
+    defer_norms: bool = False,
+) -> list[LoopShare]:
+    """Per iteration of a loop of ``copies``: aliases of ``tensors`` (None stays None),
+    ``LoopLinear`` maps of ``linears`` (weight [out, in], bias [out] or None) and
+    ``LoopNorm`` norms of ``norms`` (weight [d], eps), all from one autograd node (module
+    docstring); the norms' weight gradients taken once only with ``defer_norms`` (their
+    operator is the fused backend's). ``enabled=False``, or nothing that needs a
+    gradient: the tensors themselves and plain maps and norms."""
+    given = [t for t in tensors if t is not None]
+    params = given + [t for w, b in linears for t in (w, b) if t is not None]
+    params += [w for w, _ in norms]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in params)
     if not enabled or not needs_grad:
-        maps = [LoopLinear(w, b) for w, b in linears]
-        return [(list(tensors), maps) for _ in range(copies)]
-    roles: list[tuple[str, _Stash | None]] = [("sum", None)] * len(flat)
-    stashes = [_Stash() for _ in linears]
-    for (weight, bias), stash in zip(linears, stashes, strict=True):
+        plain_maps = [LoopLinear(w, b) for w, b in linears]
+        plain_norms = [LoopNorm(w, eps) for w, eps in norms]
+        return [LoopShare(list(tensors), plain_maps, plain_norms) for _ in range(copies)]
+    flat = list(given)
+    roles: list[tuple[str, _Stash | None]] = [("sum", None)] * len(given)
+    map_stashes = [_Stash() for _ in linears]
+    for (weight, bias), stash in zip(linears, map_stashes, strict=True):
         flat.append(_autocast_cast(weight))
         roles.append(("weight", stash))
         if bias is not None:
             flat.append(_autocast_cast(bias))
             roles.append(("bias", stash))
+    norm_stashes = [_Stash(eps=eps) if defer_norms else None for _, eps in norms]
+    for (weight, _), norm_stash in zip(norms, norm_stashes, strict=True):
+        flat.append(weight)
+        roles.append(("norm" if defer_norms else "sum", norm_stash))
     aliases = _FanOut.apply(copies, tuple(roles), *flat)
-    width = len(flat)
-    shared = []
-    for copy in range(copies):
-        own = iter(aliases[copy * width : (copy + 1) * width])
-        plain = [cast(MaybeTensor, None if t is None else next(own)) for t in tensors]
-        maps = []
-        for (_, bias), stash in zip(linears, stashes, strict=True):
-            weight_alias = next(own)
-            maps.append(LoopLinear(weight_alias, None if bias is None else next(own), stash))
-        shared.append((plain, maps))
-    return shared
+    return [
+        _share_of(
+            aliases[copy * len(flat) : (copy + 1) * len(flat)],
+            tensors,
+            linears,
+            map_stashes,
+            norms,
+            norm_stashes,
+        )  # fmt: skip
+        for copy in range(copies)
+    ]
+
+
+def _share_of(
+    own_aliases: Sequence[Tensor],
+    tensors: Sequence[Tensor | None],
+    linears: Sequence[tuple[Tensor, Tensor | None]],
+    map_stashes: list[_Stash],
+    norms: Sequence[tuple[Tensor, float]],
+    norm_stashes: list[_Stash | None],
+) -> LoopShare:
+    """One iteration's ``LoopShare`` from its aliases (in ``share_across``'s order)."""
+    own = iter(own_aliases)
+    plain = [None if t is None else next(own) for t in tensors]
+    maps = []
+    for (_, bias), stash in zip(linears, map_stashes, strict=True):
+        weight_alias = next(own)
+        maps.append(LoopLinear(weight_alias, None if bias is None else next(own), stash))
+    loop_norms = [
+        LoopNorm(next(own), eps, stash) for (_, eps), stash in zip(norms, norm_stashes, strict=True)
+    ]
+    return LoopShare(plain, maps, loop_norms)

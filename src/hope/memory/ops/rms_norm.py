@@ -61,19 +61,26 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @torch.library.custom_op("hope::rms_norm_backward", mutates_args=())
-def rms_norm_backward(x: Tensor, weight: Tensor, grad: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The gradients of ``rms_norm`` (``rms_norm_backward_reference``)."""
+def rms_norm_backward(
+    x: Tensor, weight: Tensor, grad: Tensor, eps: float, weight_grad: bool = True
+) -> tuple[Tensor, Tensor]:
+    """The gradients of ``rms_norm`` (``rms_norm_backward_reference``); without
+    ``weight_grad`` the weight's is an empty tensor (a caller that takes it later, for
+    several calls at once: ``loop_shared``), and the kernel's blocks are not summed."""
     if x.device.type == "cuda":
         from hope.memory.ops.triton_norm import rms_norm_backward_triton
 
-        return rms_norm_backward_triton(x, weight, grad, eps)
+        return rms_norm_backward_triton(x, weight, grad, eps, weight_grad)
     dx, dw = rms_norm_backward_reference(x, weight, grad, eps)
-    return dx.contiguous(), dw
+    return dx.contiguous(), dw if weight_grad else weight.new_empty(0)
 
 
 @rms_norm_backward.register_fake
-def _(x: Tensor, weight: Tensor, grad: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty_like(weight)
+def _(
+    x: Tensor, weight: Tensor, grad: Tensor, eps: float, weight_grad: bool = True
+) -> tuple[Tensor, Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return dx, torch.empty_like(weight) if weight_grad else weight.new_empty(0)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:

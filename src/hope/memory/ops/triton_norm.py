@@ -58,8 +58,11 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm_backward_triton(
-    x: Tensor, weight: Tensor, grad: Tensor, eps: float
+    x: Tensor, weight: Tensor, grad: Tensor, eps: float, weight_grad: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """``hope::rms_norm_backward``: the kernel, then its blocks' weight gradients summed."""
+    """``hope::rms_norm_backward``: the kernel, then its blocks' weight gradients summed
+    (skipped without ``weight_grad``)."""
     dx, partial = _launch(x, weight, grad, eps)
+    if not weight_grad:
+        return dx, weight.new_empty(0)
     return dx, partial.sum(0).to(weight.dtype)
