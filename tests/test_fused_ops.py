@@ -666,22 +666,26 @@ def _plain_heads(projected, tail, weight, heads):  # type: ignore[no-untyped-def
     return (F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, *gates, new_tail)
 
 
-@pytest.mark.parametrize(("length", "window"), [(1, 4), (3, 4), (21, 4), (16, 1)])
+@pytest.mark.parametrize(
+    ("length", "window", "per_sample"),
+    [(1, 4, False), (3, 4, False), (21, 4, True), (16, 1, False)],
+)
 def test_fused_titans_heads_equal_the_plain_path_with_gradients_in_one_launch_each_way(
-    length: int, window: int
+    length: int, window: int, per_sample: bool
 ) -> None:
     """``hope::titans_heads`` against the plain path differentiated by autograd: the
     heads, gates and new tail, and the gradients of the projection, the carried tail
     (also through a call shorter than the window, whose new tail holds old tail rows)
     and the conv weight, with every output's gradient given and with some absent; one
-    launch forward, and the kernel plus the weight's sum backward."""
+    launch forward, and the kernel plus the weight's sum backward (the kernel alone for
+    a conv weight per sample [B, 3d, W], whose gradient stays per sample)."""
     heads, d_head = 2, 5
     width = 3 * heads * d_head
     gen = torch.Generator().manual_seed(length)
     leaves = [
         torch.randn(2, length, width + 3 * heads, generator=gen, dtype=DT),
         torch.randn(2, window - 1, width, generator=gen, dtype=DT),
-        1.0 + 0.3 * torch.randn(width, window, generator=gen, dtype=DT),
+        1.0 + 0.3 * torch.randn(*(2,) * per_sample, width, window, generator=gen, dtype=DT),
     ]
     leaves = [t.requires_grad_() for t in leaves]
     with LaunchCounter() as forward:
@@ -702,7 +706,7 @@ def test_fused_titans_heads_equal_the_plain_path_with_gradients_in_one_launch_ea
         )
         for g, w in zip(grads, wanted, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-13)
-        assert backward.count == 2, backward.count
+        assert backward.count == 2 - per_sample, backward.count
         assert min(g.abs().max() for g in wanted if g.numel()) > 1e-3  # all reached
     assert forward.count == 1
 

@@ -526,7 +526,8 @@ def chunk_rates_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
 
 
 # The Titans heads (B, T, H, d_h, W): a call shorter than the window (its new tail holds
-# old tail rows), several token blocks with a ragged last one, no conv history (W = 1).
+# old tail rows), several token blocks with a ragged last one and a conv weight per
+# sample, no conv history (W = 1).
 HEADS_SHAPES = [(2, 3, 2, 4, 4), (2, 37, 3, 8, 4), (1, 16, 2, 16, 1)]
 
 
@@ -540,8 +541,10 @@ def heads_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         def rand(*shape: int, gen: torch.Generator = gen) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
 
-        # the projection [qkv | gates], the tail, the conv weight
-        x = (rand(b, t, 3 * h * d_h + 3 * h), rand(b, w - 1, 3 * h * d_h), rand(3 * h * d_h, w))
+        # the projection [qkv | gates], the tail, the conv weight (per sample at T = 37)
+        per_sample = (b,) if t == 37 else ()
+        x = (rand(b, t, 3 * h * d_h + 3 * h), rand(b, w - 1, 3 * h * d_h),
+             rand(*per_sample, 3 * h * d_h, w))  # fmt: skip
         want = titans_heads_reference(*x, h)
         name = f"heads_{str(dtype).removeprefix('torch.')}_T{t}_W{w}"
         errors[f"{name}_forward"] = worst(titans_heads_triton(*x, h), want)

@@ -20,11 +20,13 @@ from hope.memory.pieces import PieceGrid
 
 def causal_depthwise(x: Tensor, tail: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
     """y_t = sum_j weight[:, j] x_{t-(W-1)+j} of x [B, T, C] after the history tail
-    [B, W-1, C], weight [C, W] -> (y [B, T, C], the new tail [B, W-1, C]: the last
-    W-1 inputs, a view)."""
-    window = weight.shape[1]
+    [B, W-1, C], weight [C, W] (or per sample [B, C, W]) -> (y [B, T, C], the new tail
+    [B, W-1, C]: the last W-1 inputs, a view)."""
+    window = weight.shape[-1]
     padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
     new_tail = padded[:, padded.shape[1] - (window - 1) :]
+    if weight.dim() == 3:  # per sample: each sample's taps
+        return torch.einsum("btcw,bcw->btc", padded.unfold(1, window, 1), weight), new_tail
     y = F.conv1d(padded.transpose(1, 2), weight.unsqueeze(1), groups=weight.shape[0])
     return y.transpose(1, 2), new_tail
 

@@ -123,7 +123,7 @@ class MemoryProjection:
     ``NeuralMemory.projections`` shares them across the iterations of a caller's loop."""
 
     inputs: LoopLinear
-    conv: Tensor | None
+    conv: Tensor | None  # or per sample [B, 3d, W]
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,16 @@ class NeuralMemory(nn.Module):
         pending = PendingChunk(empty, empty.clone(), gates, gates.clone(), gates.clone())
         return NeuralMemoryState(self.init.init_state(batch_size), tail, pending, 0)
 
-    def projections(self, copies: int, enabled: bool = True) -> list[MemoryProjection]:
+    def projections(
+        self, copies: int, enabled: bool = True, batch: int | None = None
+    ) -> list[MemoryProjection]:
         """One ``MemoryProjection`` per iteration of a caller's loop of ``copies`` calls,
-        each parameter's gradient taken once for the loop (``loop_shared``)."""
-        conv = None if self.conv is None else self.conv.weight
+        each parameter's gradient taken once for the loop (``loop_shared``). With
+        ``batch`` the conv weight comes per sample (expanded, a view): ``hope::titans_heads``
+        then hands back per-sample gradients, summed over the batch once per call."""
+        conv: Tensor | None = None if self.conv is None else self.conv.weight
+        if conv is not None and batch is not None:
+            conv = conv.expand(batch, *conv.shape)
         shared = share_across(copies, [conv], [self._joined_map()], enabled=enabled)
         return [MemoryProjection(share.linears[0], share.tensors[0]) for share in shared]
 

@@ -223,7 +223,7 @@ class TitansMACBlock(_TitansBlock):
         h = self.retrieve(queries, fast, share.retrieve_out)
         return self.attn.attend_segment(segment, share.h_norm(h))
 
-    def _segment_shares(self, copies: int) -> list[_SegmentShare]:
+    def _segment_shares(self, copies: int, batch: int) -> list[_SegmentShare]:
         """Each segment's aliases of the parameters every segment uses, their gradients
         taken once per call; backend "compile" traces a segment: plain parameters there."""
         backend = resolve_backend(None)
@@ -233,7 +233,8 @@ class TitansMACBlock(_TitansBlock):
             copies, linears=[(self.memory.w_o.weight, None)], norms=norms, enabled=enabled,
             defer_norms=backend == "fused",
         )  # fmt: skip
-        memory = self.memory.projections(copies, enabled)
+        # per-sample conv weights where the fused heads operator takes them
+        memory = self.memory.projections(copies, enabled, batch if backend == "fused" else None)
         return [
             _SegmentShare(share.linears[0], share.norms[0], share.norms[1], projection)
             for share, projection in zip(shared, memory, strict=True)
@@ -257,7 +258,7 @@ class TitansMACBlock(_TitansBlock):
         if resolve_backend(None) == "compile":
             mix = compiled(mix)
         memory, ys, reads = state.memory, [], []
-        shares = self._segment_shares(len(queries))
+        shares = self._segment_shares(len(queries), x.shape[0])
         for index, (q, share) in enumerate(zip(queries, shares, strict=True)):
             y = mix(self, q, memory.memory, context.segment(index), share)
             # reads M_{s-1}, writes y; the reads' output projection runs once, below

@@ -36,8 +36,10 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     "hope::titans_chunk_rates": dict.fromkeys(
         ("theta", "eta", "alpha", "curvature", "coupling"), ALL
     ),
-    # the outputs' gradients (any layout autograd hands over) through their strides
-    "hope::titans_heads_backward": {"grads": dict.fromkeys(range(7), ALL)},
+    # the conv weight per sample through its batch stride (MAC's: expanded); in the
+    # backward also the outputs' gradients (any layout autograd hands over)
+    "hope::titans_heads": {"weight": 1},
+    "hope::titans_heads_backward": {"weight": 1, "grads": dict.fromkeys(range(7), ALL)},
     # q, k, v: slices of the call's projections, h's keys and values their projection,
     # the angles slices of the call's tables
     "hope::segment_attention": dict.fromkeys(
@@ -58,12 +60,12 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
 
 # Operator -> the launches its CUDA wrapper makes after its kernel, whatever the layouts
 # (the RMSNorm backward sums its blocks' shares of the weight's gradient when asked for
-# it, the Titans heads' backward the conv weight's per-sample gradients, the segment
-# attention's backward P's values' per-sample gradients when P's values are given as
-# [1, ...] rather than per sample: its inputs' slot 7).
+# it; the Titans heads' backward the conv weight's per-sample gradients, and the segment
+# attention's backward P's values', when that weight or P's values come shared rather
+# than per sample: the latter are its inputs' slot 7).
 EXTRA_LAUNCHES: dict[str, int | Callable[[dict[str, Any]], int]] = {
     "hope::rms_norm_backward": lambda values: int(values.get("weight_grad", True)),
-    "hope::titans_heads_backward": 1,
+    "hope::titans_heads_backward": lambda values: int(values["weight"].dim() == 2),
     "hope::segment_attention_backward": lambda values: int(
         values["inputs"][7] is not None and values["inputs"][7].shape[0] != values["grad"].shape[0]
     ),

@@ -44,7 +44,8 @@ def split_projected(projected: Tensor, heads: int) -> tuple[Tensor, Tensor]:
 def titans_heads_reference(projected: Tensor, tail: Tensor, weight: Tensor, heads: int) -> HeadsOut:
     """(q, k, v [B, H, T, d_h], theta, eta, alpha [B, H, T], new tail [B, W-1, 3d]) of
     ``projected`` [B, T, 3d + 3H] (``split_projected``), the conv's ``tail``
-    [B, W-1, 3d] and ``weight`` [3d, W], in PyTorch ops, every output dense."""
+    [B, W-1, 3d] and ``weight`` [3d, W] (or per sample [B, 3d, W]: its gradient is then
+    per sample too), in PyTorch ops, every output dense."""
     pre, gate_pre = split_projected(projected, heads)
     batch, length, width = pre.shape
     conv, new_tail = causal_depthwise(F.silu(pre), tail, weight.to(pre.dtype))
@@ -66,7 +67,7 @@ def titans_heads_backward_reference(
     projected, tail, weight = inputs
     pre, gate_pre = split_projected(projected, heads)
     batch, length, width = pre.shape
-    window, d_head = weight.shape[1], width // (3 * heads)
+    window, d_head = weight.shape[-1], width // (3 * heads)
     x = F.silu(pre)
     padded = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, 3d]
     conv, _ = causal_depthwise(x, tail, weight.to(pre.dtype))
@@ -81,13 +82,17 @@ def titans_heads_backward_reference(
          token_major(grads[2], y[:, :, 2])],
         dim=2,
     ).reshape(batch, length, width)  # fmt: skip
-    w = weight.to(pre.dtype).unsqueeze(1)  # [3d, 1, W]
-    d_padded = F.conv_transpose1d(d_y.transpose(1, 2), w, groups=width).transpose(1, 2)
+    # y_t = sum_j w_j padded_{t+j}: padded_{t+j} gets w_j dy_t (per sample or shared w)
+    taps = weight.to(pre.dtype).expand(batch, width, window)
+    d_padded = d_y.new_zeros(batch, window - 1 + length, width)
+    for j in range(window):
+        d_padded[:, j : j + length] += taps[:, None, :, j] * d_y
     if grads[6] is not None:  # the new tail: the last W-1 padded positions
         d_padded = d_padded + F.pad(grads[6], (0, 0, length, 0))
     s = torch.sigmoid(pre)
     d_pre = d_padded[:, window - 1 :] * s * (1.0 + pre * (1.0 - s))
-    d_weight = torch.einsum("btc,btcw->cw", d_y, padded.unfold(1, window, 1)).to(weight.dtype)
+    d_weight = torch.einsum("btc,btcw->bcw", d_y, padded.unfold(1, window, 1))
+    d_weight = (d_weight.sum(0) if weight.dim() == 2 else d_weight).to(weight.dtype)
     gate = torch.sigmoid(gate_pre).view(batch, length, 3, heads)
     d_gate = torch.stack([token_major(g, gate[:, :, 0]) for g in grads[3:6]], dim=2)
     d_gate_pre = (d_gate * gate * (1.0 - gate)).view_as(gate_pre)

@@ -12,7 +12,8 @@ gradient; after a barrier, the same block of conv inputs (padded positions, tail
 first) gathers w_j dy_{i-j} over the W taps, plus the new tail's gradient, and goes to
 the tail's or (through SiLU') the pre-activations' gradient, the gates' beside it in
 the projection's gradient [B, T, 3d + 3H]. The wrapper sums the
-weight's per-sample gradients: one more launch. Compute in float32 (float64 for
+weight's per-sample gradients: one more launch, unless the weight came per sample
+([B, 3d, W], e.g. expanded: the caller sums them). Compute in float32 (float64 for
 float64 inputs).
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` (tests/test_fused_ops.py).
@@ -65,7 +66,7 @@ def _conv(pre_b, tail_b, w_ptr, t, ch, live, d_live, PW, CW, W: tl.constexpr,
 
 @triton.jit
 def _heads_fwd(pre_ptr, tail_ptr, w_ptr, q_ptr, k_ptr, v_ptr, theta_ptr, eta_ptr,
-               alpha_ptr, new_tail_ptr, T, H, CW, PW, DH: tl.constexpr, DP: tl.constexpr,
+               alpha_ptr, new_tail_ptr, T, H, CW, PW, W_SB, DH: tl.constexpr, DP: tl.constexpr,
                W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)  # part * H + head: the channels c * DH + d of x W_qkv
@@ -74,6 +75,7 @@ def _heads_fwd(pre_ptr, tail_ptr, w_ptr, q_ptr, k_ptr, v_ptr, theta_ptr, eta_ptr
     d_live = d < DH
     ch = c * DH + d
     pre_b, tail_b = pre_ptr + b * T * PW, tail_ptr + b * (W - 1) * CW
+    w_ptr += b * W_SB  # the conv weight: shared (W_SB = 0) or per sample
     rows = (b * H + head) * T
     for t0 in range(0, T, BT):
         t = t0 + tl.arange(0, BT)
@@ -108,7 +110,7 @@ def _grad_rows(ptr, s_b, s_h, s_t, s_d, b, head, t, d, live, d_live, ACC: tl.con
 
 @triton.jit
 def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gq_ptr, gk_ptr, gv_ptr, gth_ptr, geta_ptr, gal_ptr,
-               gtail_ptr, dy_ptr, d_pre_ptr, d_tail_ptr, d_w_ptr, T, H, CW, PW,
+               gtail_ptr, dy_ptr, d_pre_ptr, d_tail_ptr, d_w_ptr, T, H, CW, PW, W_SB,
                sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
                sth_b, sth_h, sth_t, seta_b, seta_h, seta_t, sal_b, sal_h, sal_t,
                stl_b, stl_r, stl_c, HAS_Q: tl.constexpr, HAS_K: tl.constexpr,
@@ -124,6 +126,7 @@ def _heads_bwd(pre_ptr, tail_ptr, w_ptr, gq_ptr, gk_ptr, gv_ptr, gth_ptr, geta_p
     ch = c * DH + d
     pre_b, tail_b = pre_ptr + b * T * PW, tail_ptr + b * (W - 1) * CW
     d_pre_b, dy_b = d_pre_ptr + b * T * PW, dy_ptr + b * T * CW
+    w_ptr += b * W_SB
     taps = tl.arange(0, WP2)
     d_w = tl.zeros([DP, WP2], dtype=ACC)
     for t0 in range(0, T + W - 1, BT):  # blocks of tokens, then of padded positions
@@ -211,14 +214,15 @@ def titans_heads_triton(
     """``hope::titans_heads`` in one kernel launch."""
     batch, length, columns = projected.shape
     width = columns - 3 * heads
-    d_head, window = width // (3 * heads), weight.shape[1]
+    d_head, window = width // (3 * heads), weight.shape[-1]
     projected, tail = projected.contiguous(), tail.contiguous()
     q, k, v = (projected.new_empty(batch, heads, length, d_head) for _ in range(3))
     theta, eta, alpha = (projected.new_empty(batch, heads, length) for _ in range(3))
     new_tail = projected.new_empty(tail.shape)
+    weight, sample_stride = _conv_weight(weight)
     _heads_fwd[(batch, 3 * heads)](
-        projected, tail, weight.contiguous(), q, k, v, theta, eta, alpha, new_tail,
-        length, heads, width, columns, WP=max(2, triton.next_power_of_2(max(window - 1, 1))),
+        projected, tail, weight, q, k, v, theta, eta, alpha, new_tail, length, heads, width,
+        columns, sample_stride, WP=max(2, triton.next_power_of_2(max(window - 1, 1))),
         **_constants(d_head, window, projected),
     )  # fmt: skip
     return q, k, v, theta, eta, alpha, new_tail
@@ -227,12 +231,14 @@ def titans_heads_triton(
 def titans_heads_backward_triton(
     inputs: tuple[Tensor, Tensor, Tensor], heads: int, grads: list[Tensor | None]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``hope::titans_heads_backward`` in one kernel launch and the sum of the conv
-    weight's per-sample gradients."""
-    projected, tail, weight = (t.contiguous() for t in inputs)
+    """``hope::titans_heads_backward`` in one kernel launch, and the sum of the conv
+    weight's per-sample gradients when the weight is shared ([3d, W], not [B, 3d, W])."""
+    projected, tail = (t.contiguous() for t in inputs[:2])
+    shared = inputs[2].dim() == 2
+    weight, sample_stride = _conv_weight(inputs[2])
     batch, length, columns = projected.shape
     width = columns - 3 * heads
-    d_head, window = width // (3 * heads), weight.shape[1]
+    d_head, window = width // (3 * heads), weight.shape[-1]
     given = [projected if g is None else g for g in grads]
     dy = torch.empty(batch, length, width, dtype=_scratch_dtype(projected), device=tail.device)
     d_projected, d_tail = torch.empty_like(projected), torch.empty_like(tail)
@@ -242,10 +248,20 @@ def titans_heads_backward_triton(
     flags = {f"HAS_{n}": g is not None for n, g in zip(_NAMES, grads, strict=True)}
     _heads_bwd[(batch, 3 * heads)](
         projected, tail, weight, *given, dy, d_projected, d_tail, d_w, length, heads,
-        width, columns, *strides, WP2=triton.next_power_of_2(window), **flags,
+        width, columns, sample_stride, *strides, WP2=triton.next_power_of_2(window), **flags,
         **_constants(d_head, window, projected),
     )  # fmt: skip
-    return d_projected, d_tail, d_w.sum(0)
+    return d_projected, d_tail, d_w.sum(0) if shared else d_w
+
+
+def _conv_weight(weight: Tensor) -> tuple[Tensor, int]:
+    """The conv weight as the kernels read it ([3d, W] or per sample [B, 3d, W], each
+    sample's dense) and its stride between samples (0: shared, or expanded)."""
+    if weight.dim() == 2:
+        return weight.contiguous(), 0
+    if not weight[0].is_contiguous():
+        weight = weight.contiguous()
+    return weight, weight.stride(0)
 
 
 _NAMES = ("Q", "K", "V", "TH", "ETA", "AL", "TAIL")
