@@ -38,7 +38,7 @@ from hope.memory.ops.rms_norm import rms_norm, rms_norm_backward
 @dataclass
 class _Stash:
     """Each iteration's (input rows [..., S_i, in], output gradient [..., S_i, out]) of a
-    linear map, handed over by its backward."""
+    linear map or an RMSNorm, handed over by its backward."""
 
     inputs: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
