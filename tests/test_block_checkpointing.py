@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import rand_tokens, tiny_lm
+from hope.memory.ops import dispatch
 from hope.train.plan import saved_bytes
 from test_streaming import CASES, IDS, T, mode_knobs
 
@@ -40,3 +41,19 @@ def test_checkpointed_blocks_train_the_same_with_fewer_saved_activations(
     else:
         print(f"{variant}-{mode}: saved {kept} of {plain} bytes")
         assert kept < 0.6 * plain, (kept, plain)
+
+
+def test_fused_mac_checkpointed_blocks_train_the_same() -> None:
+    """Under ``fused`` MAC's segments share their parameters through one autograd node
+    whose backward reads its saved norm weights (``loop_shared``); block checkpointing
+    recomputes that forward in backward and must give the same loss and gradients."""
+    dispatch.set_default_backend("fused")
+    try:
+        loss, grads, _ = _loss_and_grads("titans_mac", None, on=False)
+        loss_c, grads_c, _ = _loss_and_grads("titans_mac", None, on=True)
+    finally:
+        dispatch.set_default_backend("torch")
+    torch.testing.assert_close(loss_c, loss, rtol=0, atol=1e-12)
+    for name, grad in grads.items():
+        assert grad is not None and grads_c[name] is not None, name
+        torch.testing.assert_close(grads_c[name], grad, rtol=0, atol=1e-12, msg=name)

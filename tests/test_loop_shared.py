@@ -31,7 +31,8 @@ class OpCounter(TorchDispatchMode):
 
 def _params(seed: int = 0, dtype: torch.dtype = DT) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"scale": (DIM,), "w": (DIM, DIM), "b": (DIM,), "u": (2 * DIM, DIM), "g": (DIM,)}
+    shapes = {"scale": (DIM,), "w": (DIM, DIM), "b": (DIM,), "u": (2 * DIM, DIM), "g": (DIM,),
+              "g2": (DIM,)}  # fmt: skip
     return {
         name: torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
         for name, shape in shapes.items()
@@ -47,17 +48,18 @@ def _loop(
     params: dict[str, torch.Tensor], xs: list[torch.Tensor], shared: bool, defer: bool = False
 ) -> torch.Tensor:
     """A recurrence that uses every parameter once per step: h <- tanh(W(N(h) * s) + b) +
-    the first half of U x, N an RMSNorm of weight g; the loss reads every step's h."""
+    the first half of U x, N an RMSNorm of weight g; the loss reads every step's h, and
+    its RMSNorm of weight g2."""
     parts = share_across(
         len(xs), tensors=[params["scale"]],
         linears=[(params["w"], params["b"]), (params["u"], None)],
-        norms=[(params["g"], 1e-6)], enabled=shared, defer_norms=defer,
+        norms=[(params["g"], 1e-6), (params["g2"], 1e-6)], enabled=shared, defer_norms=defer,
     )  # fmt: skip
     h, total = xs[0] * 0.5, xs[0].new_zeros(())
     for x, part in zip(xs, parts, strict=True):
-        (scale,), (w, u), (norm,) = part.tensors, part.linears, part.norms
+        (scale,), (w, u), (norm, out_norm) = part.tensors, part.linears, part.norms
         h = torch.tanh(w(norm(h) * scale) + b_free(u(x))) + h
-        total = total + (h * h).sum()
+        total = total + (h * out_norm(h)).sum()
     return total
 
 
@@ -99,10 +101,10 @@ def test_each_gradient_is_taken_once_per_call() -> None:
         # per step W's input gradient (x needs none, so U has none); W's and U's weight
         # gradients once each (b's as one sum of the joined output gradients)
         assert ops["mm"] == steps + 2, ops
-        # per step the norm's input gradient (no weight share); its weight's once
-        assert ops["rms_norm_backward"] == steps + 1, ops
+        # per step the norms' input gradients (no weight share); their weights' once
+        assert ops["rms_norm_backward"] == 2 * steps + 2, ops
         # the scale's gradient: one stack and one sum; the stashes: two cats each
-        assert ops["stack"] == 1 and ops["cat"] == 2 * 3, ops
+        assert ops["stack"] == 1 and ops["cat"] == 2 * 4, ops
     # a step's norm backward launches its kernel only (no sum of the blocks' shares)
     op = torch.ops.hope.rms_norm_backward.default
     x, w = torch.ones(2, DIM), torch.ones(DIM)
@@ -165,7 +167,8 @@ def test_without_gradients_the_tensors_themselves_are_handed_out() -> None:
 
 
 def test_checkpointed_loop_trains_the_same() -> None:
-    """Block checkpointing recomputes the loop's forward in backward; the gradients stay."""
+    """Block checkpointing recomputes the loop's forward in backward (each saved tensor
+    unpacked once: two deferred norms read the node's saved weights); the gradients stay."""
     params, xs = _params(), _inputs()
     plain = torch.autograd.grad(_loop(params, xs, shared=True), list(params.values()))
     loss = checkpoint(_loop, params, xs, True, True, use_reentrant=False)  # norms deferred

@@ -137,6 +137,8 @@ class _FanOut(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         count = len(ctx.roles)
+        # once: under non-reentrant checkpointing each access unpacks (recomputes) again
+        saved = ctx.saved_tensors
         joined: dict[int, tuple[Tensor, Tensor]] = {}
         out: list[Tensor | None] = [None, None]
         for slot, (role, stash) in enumerate(ctx.roles):
@@ -149,7 +151,7 @@ class _FanOut(torch.autograd.Function):
                 joined[id(stash)] = _rows(stash.inputs), _rows(stash.grads)
             rows, grad = joined[id(stash)]
             if role == "norm":
-                taken = rms_norm_backward(rows, ctx.saved_tensors[slot], grad, stash.eps)[1]
+                taken = rms_norm_backward(rows, saved[slot], grad, stash.eps)[1]
             else:
                 taken = grad.T @ rows if role == "weight" else grad.sum(0)
             out.append(taken if summed is None else taken + summed)
