@@ -55,8 +55,9 @@ PersistentKV = tuple[Tensor, Tensor]  # P's keys [H, N_p, D] and values [1, H, N
 
 @dataclass(frozen=True)
 class SegmentView:
-    """One MAC segment's tokens as its attention sees them (tensors only, so a compiled
-    segment step takes it without recompiling per segment)."""
+    """One MAC segment's tokens as its attention sees them: tensors and maps of tensors
+    only (under backend "compile" the same map objects for every segment), so a
+    compiled segment step takes it without recompiling per segment."""
 
     q_rot: Tensor  # [B, H, S, D], rotated and scaled by 1/sqrt(D)
     k: Tensor  # [B, H, S, D], rotated
@@ -65,7 +66,7 @@ class SegmentView:
     kv: LoopLinear  # the k and v rows [2d, d] of the fused projection
     out: LoopLinear  # W_o
     p_scores: Tensor | None  # [B, H, S, N_p]: scaled scores with P's keys
-    p_values: Tensor | None  # [1, H, N_p, D]: P's values
+    p_values: Tensor | None  # [B, H, N_p, D]: P's values (expanded over the batch)
     hidden: Tensor  # [S, 2S]: ~``segment_visibility``, the pairs a query must not see
 
 
