@@ -121,7 +121,8 @@ class _DeferredNorm(torch.autograd.Function):
 
 class _FanOut(torch.autograd.Function):
     """``copies`` aliases of each tensor (copy-major); backward sums each tensor's
-    gradients once, or, for a linear map's weight and bias, takes them from the stash."""
+    gradients once, or, for a linear map's weight and bias and a deferred RMSNorm's
+    weight, takes them from the stash."""
 
     @staticmethod
     def forward(
