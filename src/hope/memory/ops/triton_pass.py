@@ -286,8 +286,8 @@ def memory_pass_backward_triton(
     kf = flat_heads(k)
     vf, qf = (kf if t is None else flat_heads(t) for t in (v, q))
     sf = kf if scale is None else scale.to(w1.dtype).contiguous()
-    g_flat = [kf if g is None else flat_heads(g) for g in grads]
-    g_flat[1] = kf if grads[1] is None else grads[1]  # read through its strides
+    # every gradient dense per (sample, head) but the reads', read through its strides
+    g_flat = [kf if g is None else g if j == 1 else flat_heads(g) for j, g in enumerate(grads)]
     read_strides = [0] * 4 if grads[1] is None else list(grads[1].stride())
     strided = dict(zip(_READ_STRIDES, read_strides, strict=True))
     outs = (
