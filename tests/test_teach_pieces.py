@@ -194,9 +194,14 @@ def test_coarse_smt_forward_teach_is_causal_and_trains() -> None:
     assert dead == []
 
 
-@pytest.mark.parametrize("metric", ("loss", "entropy"))
-def test_head_signal_equals_autograd_of_the_summed_ce(metric: str) -> None:
-    model = coarse_model(f"model.surprise_metric={metric}", "model.surprise_threshold=0.5")
+@pytest.mark.parametrize("metric", ("loss", "entropy", None))
+def test_head_signal_equals_autograd_of_the_summed_ce(metric: str | None) -> None:
+    gate = (
+        ()
+        if metric is None
+        else (f"model.surprise_metric={metric}", "model.surprise_threshold=0.5")
+    )
+    model = coarse_model(*gate)
     normed = torch.randn(2, 5, 16, dtype=F64, requires_grad=True)
     targets = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
     targets[1, 2] = IGNORE_INDEX  # no loss, no teach signal
@@ -206,7 +211,9 @@ def test_head_signal_equals_autograd_of_the_summed_ce(metric: str) -> None:
     (want,) = torch.autograd.grad(losses.sum(), normed)
     torch.testing.assert_close(head.grad, want, rtol=0, atol=1e-12)
     assert head.grad[1, 2].abs().max() == 0
-    if metric == "loss":
+    if metric is None:  # no surprise gate: neither input is made
+        assert head.token_loss is None and head.token_entropy is None
+    elif metric == "loss":
         assert head.token_loss is not None and head.token_entropy is None
         torch.testing.assert_close(head.token_loss, losses.detach(), rtol=0, atol=1e-12)
     else:

@@ -110,26 +110,30 @@ class HeadSignal:
 def head_signal(model: HopeLM, normed: Tensor, targets: Tensor) -> HeadSignal:
     """The summed-CE gradient at the tied head's input, (softmax(z) − onehot(y)) W.
 
-    One logits buffer [B, T, V] turned into the softmax in place; rows with target
-    -100 are zero. Equals autograd through ``token_ce`` but without its log-softmax
-    output, backward temporaries and graph over [B, T, V] (pass A's largest tensors).
+    The logits [B, T, V] and their softmax are pass A's largest tensors; they live
+    only inside this function, with no graph, no log-softmax output and no backward
+    temporaries (autograd through ``token_ce`` would keep all of them). The softmax
+    is one fused kernel (on a 2-core CPU at the smoke shape a third of the time of a
+    logsumexp then an in-place subtract and exp), and one scatter takes the one-hot
+    off it; rows with target -100 are zero.
     """
     weight = model.head_weight
     with torch.no_grad():
         logits = F.linear(normed, weight)
         work = _teach_dtype(logits.dtype)
-        logits = logits.to(work)  # fp32 (fp64 for an fp64 model), owned: edited in place
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, T, 1]
+        logits = logits.to(work)  # fp32 (fp64 for an fp64 model)
         valid = targets != IGNORE_INDEX
         index = targets.clamp_min(0).unsqueeze(-1)
         loss = entropy = None
         if model.cfg.surprise_threshold is not None:
             metric = model.cfg.surprise_metric
             if metric == "loss":
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, T, 1]
                 loss = (lse - logits.gather(-1, index)).squeeze(-1) * valid
             elif metric == "entropy":
                 entropy = token_entropy(logits)
-        probs = logits.sub_(lse).exp_()  # softmax, in place
+        probs = torch.softmax(logits, dim=-1)
+        del logits  # freed before the product: at most two [B, T, V] buffers at once
         probs.scatter_add_(-1, index, torch.full_like(index, -1.0, dtype=work))
         probs.mul_(valid.unsqueeze(-1).to(work))
         grad = (probs.to(weight.dtype) @ weight).to(normed.dtype)

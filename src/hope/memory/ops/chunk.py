@@ -20,6 +20,7 @@ momentum per chunk").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +38,12 @@ def _log_decay_ratios(log_keep: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]
     cum = torch.cumsum(log_keep, dim=-1)  # log gamma_t
     prev = cum - log_keep  # log gamma_{t-1}, with gamma_0 = 1
     n = log_keep.shape[-1]
-    strict_lower = torch.ones(n, n, dtype=torch.bool, device=log_keep.device).tril(-1)
+    not_below = torch.ones(n, n, dtype=torch.bool, device=log_keep.device).triu()  # s >= t
     diff = prev.unsqueeze(-1) - cum.unsqueeze(-2)  # [B, H, t, s]
-    # Zero the masked logits before exp: an upper-triangle entry could be +large.
-    diff = torch.where(strict_lower, diff, torch.zeros_like(diff))
-    prev_over_s = torch.where(strict_lower, torch.exp(diff), torch.zeros_like(diff))
+    # -inf off the strict lower triangle before exp: an entry there could be +large
+    # (inf, whose gradient would be 0 * inf), and exp(-inf) is exactly 0 with a zero
+    # gradient. Two launches each way instead of a zeroed where on both sides of exp.
+    prev_over_s = torch.exp(diff.masked_fill(not_below, -math.inf))
     end = cum[..., -1]
     return prev_over_s, torch.exp(prev), torch.exp(end.unsqueeze(-1) - cum), torch.exp(end)
 
@@ -121,11 +123,10 @@ def chunk_end_terms(log_b: Tensor, log_a: Tensor) -> Tensor:
     """P[j, s] = (a_C/a_j)(b_j/b_s) [B, H, C(j), C(s)] for j >= s (zero elsewhere) from
     log b_t, log a_t [B, H, C]: token s's share, through token j, of the chunk end."""
     n = log_b.shape[-1]
-    lower = torch.ones(n, n, dtype=torch.bool, device=log_b.device).tril()  # j >= s
+    above = torch.ones(n, n, dtype=torch.bool, device=log_b.device).triu(1)  # j < s
     # log[(a_C/a_j)(b_j/b_s)] indexed [j, s]
     logit = (log_a[..., -1:] - log_a + log_b).unsqueeze(-1) - log_b.unsqueeze(-2)
-    logit = torch.where(lower, logit, torch.zeros_like(logit))
-    return torch.where(lower, torch.exp(logit), torch.zeros_like(logit))
+    return torch.exp(logit.masked_fill(above, -math.inf))  # as in _log_decay_ratios
 
 
 def _chunk_end_weights(log_b: Tensor, log_a: Tensor) -> Tensor:

@@ -57,7 +57,6 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from hope.layers import apply_rotary
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
@@ -66,7 +65,7 @@ from hope.memory.ops.end_weights import chunk_end_weights
 from hope.memory.ops.fused import dgd_chunk, momentum_chunk
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
 from hope.memory.ops.overshoot import bounded_step_op
-from hope.memory.ops.pointwise import l2_normalize
+from hope.memory.ops.pointwise import l2_normalize, unit_rows_torch
 from hope.memory.ops.rms_norm import rms_norm, rms_norm_reference
 from hope.memory.ops.rotary import rotary
 from hope.memory.ops.stacking import repeat_heads
@@ -158,8 +157,9 @@ def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) 
 
 
 def unit_rows(x: Tensor, backend: str | None = None) -> Tensor:
-    """x / ||x|| over the last axis (``F.normalize``); one operator under ``fused``."""
-    return l2_normalize(x) if resolve_backend(backend) == "fused" else F.normalize(x, dim=-1)
+    """x / ||x|| over the last axis (``F.normalize``); one operator under ``fused``, its
+    gradient written out elsewhere (``pointwise.unit_rows_torch``)."""
+    return l2_normalize(x) if resolve_backend(backend) == "fused" else unit_rows_torch(x)
 
 
 def rms_normalized(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:

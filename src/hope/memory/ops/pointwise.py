@@ -7,6 +7,8 @@ elsewhere the same closed form in PyTorch ops.
   ``F.normalize`` launches three kernels forward and about fifteen in backward (18% of
   a fused ``hope`` step's launches at the pilot chunking).
       y = x / max(||x||, eps),   dx = (g - y <y, g>) / ||x||   (g / eps where ||x|| < eps).
+  Its PyTorch form with the same backward (``unit_rows_torch``) is the other
+  backends' normalisation.
 """
 
 from __future__ import annotations
@@ -20,13 +22,46 @@ from torch.nn import functional as F
 EPS = 1e-12  # F.normalize's
 
 
-def l2_normalize_backward_reference(x: Tensor, grad: Tensor) -> Tensor:
-    """dL/dx of y = ``F.normalize(x, dim=-1)`` given dL/dy, in PyTorch ops."""
+def _unit_rows_forward(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, ||x||, max(||x||, eps)) of y = x / max(||x||, eps) over the last axis."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     scale = norm.clamp_min(EPS)
-    y = x / scale
-    along = torch.where(norm >= EPS, (y * grad).sum(-1, keepdim=True), 0.0)
-    return (grad - y * along) / scale
+    return x / scale, norm, scale
+
+
+def _unit_rows_backward(y: Tensor, norm: Tensor, scale: Tensor, grad: Tensor) -> Tensor:
+    """dL/dx = (g - y <y, g>) / ||x|| (g / eps where ||x|| < eps), from the forward's
+    tensors: six launches."""
+    along = (y * grad).sum(-1, keepdim=True).masked_fill_(norm < EPS, 0.0)
+    return torch.addcmul(grad, y, along, value=-1.0).div_(scale)
+
+
+def l2_normalize_backward_reference(x: Tensor, grad: Tensor) -> Tensor:
+    """dL/dx of y = ``F.normalize(x, dim=-1)`` given dL/dy, in PyTorch ops."""
+    return _unit_rows_backward(*_unit_rows_forward(x), grad)
+
+
+class _UnitRows(torch.autograd.Function):
+    """``F.normalize(x, dim=-1)`` with its gradient written out (the ``torch`` backend's
+    form): the forward's three launches, six backward instead of autograd's
+    through the norm, the clamp and the division (14); 20-25% faster on a 2-core CPU at
+    the SMT's chunk shapes. Exactly orthogonal to y for a 1-wide row (autograd's
+    gradient there is rounding error over ||x||)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        y, norm, scale = _unit_rows_forward(x)
+        ctx.save_for_backward(y, norm, scale)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return _unit_rows_backward(*ctx.saved_tensors, grad)
+
+
+def unit_rows_torch(x: Tensor) -> Tensor:
+    """x / max(||x||, eps) over the last axis in PyTorch ops (``_UnitRows``)."""
+    return _UnitRows.apply(x)  # type: ignore[no-any-return]
 
 
 @torch.library.custom_op("hope::l2_normalize", mutates_args=())
