@@ -56,7 +56,8 @@ class _UnitRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return _unit_rows_backward(*ctx.saved_tensors, grad)
+        y, norm, scale = ctx.saved_tensors
+        return _unit_rows_backward(y, norm, scale, grad)
 
 
 def unit_rows_torch(x: Tensor) -> Tensor:
