@@ -57,6 +57,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from hope.layers import apply_rotary
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update, momentum_chunk_weights
@@ -157,9 +158,13 @@ def _fla_delta_w2(w2: Tensor, k: Tensor, d: Tensor, eta: Tensor, alpha: Tensor) 
 
 
 def unit_rows(x: Tensor, backend: str | None = None) -> Tensor:
-    """x / ||x|| over the last axis (``F.normalize``); one operator under ``fused``, its
-    gradient written out elsewhere (``pointwise.unit_rows_torch``)."""
-    return l2_normalize(x) if resolve_backend(backend) == "fused" else unit_rows_torch(x)
+    """x / ||x|| over the last axis (``F.normalize``): one operator under ``fused``;
+    ``F.normalize`` itself for the ``naive`` oracle; elsewhere with its gradient written
+    out (``pointwise.unit_rows_torch``)."""
+    resolved = resolve_backend(backend)
+    if resolved == "fused":
+        return l2_normalize(x)  # type: ignore[no-any-return]
+    return F.normalize(x, dim=-1) if resolved == "naive" else unit_rows_torch(x)
 
 
 def rms_normalized(x: Tensor, weight: Tensor, eps: float, backend: str | None = None) -> Tensor:
