@@ -113,7 +113,7 @@ def head_signal(model: HopeLM, normed: Tensor, targets: Tensor) -> HeadSignal:
     The logits [B, T, V] and their softmax are pass A's largest tensors; they live
     only inside this function, with no graph, no log-softmax output and no backward
     temporaries (autograd through ``token_ce`` would keep all of them). The softmax
-    is one fused kernel (on a 2-core CPU at the smoke shape a third of the time of a
+    is one fused kernel (on a 2-core CPU at the smoke shape a fifth of the time of a
     logsumexp then an in-place subtract and exp), and one scatter takes the one-hot
     off it; rows with target -100 are zero.
     """

@@ -11,11 +11,11 @@ factors already known,
 (κ, λ the coefficient-weighted key and teach score matrices, z⁰, b⁰ the reads through
 the carried state). As PyTorch ops that is 5 launches per fired chunk (two batched
 products over the rows written so far, the GELU and its row copy, the slope written
-into its rows): ~420 per layer-step at the pilot chunking. Every hidden unit evolves on its
-own, so one program per (sample, block of hidden units) walks the chunks in order
-(``triton_cms.py``): one launch. No gradient
-(the level's writes are under stop-gradient). Elsewhere the loop in PyTorch ops,
-which is this operator's reference.
+into its rows): ~420 per layer-step at the pilot chunking. Every hidden unit evolves
+on its own, so one program per (sample, block of hidden units) walks the chunks in
+order (``triton_cms.py``): one launch. No gradient (the level's writes are under
+stop-gradient). Elsewhere the loop in PyTorch ops, which is this operator's
+reference.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ elsewhere the same closed form in PyTorch ops.
 
 - ``hope::l2_normalize``: the SMT normalises its generated keys, values and queries in
   every chunk (NL-arXiv eq. 83; v as k, ``SelfModifyingTitans._generate``):
-  ``F.normalize`` launches three kernels forward and about fifteen in backward (18% of
+  ``F.normalize`` launches three kernels forward and fourteen in backward (18% of
   a fused ``hope`` step's launches at the pilot chunking).
       y = x / max(||x||, eps),   dx = (g - y <y, g>) / ||x||   (g / eps where ||x|| < eps).
   Its PyTorch form with the same backward (``unit_rows_torch``) is the other
@@ -43,10 +43,10 @@ def l2_normalize_backward_reference(x: Tensor, grad: Tensor) -> Tensor:
 
 class _UnitRows(torch.autograd.Function):
     """``F.normalize(x, dim=-1)`` with its gradient written out (the ``torch`` backend's
-    form): the forward's three launches, six backward instead of autograd's
-    through the norm, the clamp and the division (14); 20-25% faster on a 2-core CPU at
-    the SMT's chunk shapes. Exactly orthogonal to y for a 1-wide row (autograd's
-    gradient there is rounding error over ||x||)."""
+    form): the forward's three launches, and six backward instead of autograd's 14
+    through the norm, the clamp and the division; forward and backward 20-25% faster
+    on a 2-core CPU at the SMT's chunk shapes. For a 1-wide row the gradient is exactly
+    0 (autograd's is rounding error over ||x||)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
