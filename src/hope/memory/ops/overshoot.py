@@ -3,8 +3,8 @@
 A chunk applies its C inner steps at the chunk-start weights; ``overshoot_ratio``
 (``residual_mlp``) bounds how far they can overshoot, from the chunk's kernel bound
 and steps. ``hope::bounded_step`` is the SMT's bounded step eta / (1 + rho)
-(``smt_state.bounded_eta``) with its gradient (rho a constant): about 20 kernels as
-PyTorch ops (the bound's two squarings and its ratio), one Triton kernel here on CUDA
+(``smt_state.bounded_eta``) with its gradient (rho a constant): about 30 kernels as
+PyTorch ops (four power iterations), one Triton kernel here on CUDA
 (``triton_kernels.py``); elsewhere the same form in PyTorch ops. (The Titans memory's
 cap takes the same bound inside ``hope::titans_chunk_rates``, ``chunk_rates.py``.)
 """

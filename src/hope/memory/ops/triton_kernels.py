@@ -19,9 +19,8 @@ takes the C x C part (``dgd_chunk_backward_reference`` written per program).
 ``hope::l2_normalize`` and its backward (``pointwise.py``): blocks of rows.
 
 ``hope::bounded_step``: the C x C matrix diag(sqrt(s)) K diag(sqrt(s)) in registers,
-the Collatz-Wielandt bound rho at x = A^4 1 (``residual_mlp.perron_bound``;
-``overshoot_of``, shared with ``triton_chunk_rates.py`` and ``triton_write.py``), then
-s / (1 + rho).
+the Collatz-Wielandt bound rho after four power iterations (``residual_mlp.perron_bound``;
+``overshoot_of``, shared with ``triton_chunk_rates.py``), then s / (1 + rho).
 
 Tested on a CPU with ``TRITON_INTERPRET=1`` against the PyTorch forms
 (tests/test_fused_ops.py); scripts/gpu_check.sh runs the same parity on CUDA.
@@ -240,17 +239,15 @@ def _dgd_chunk_bwd(w1_ptr, w2_ptr, k_ptr, e_ptr, a_ptr, d_ptr, eta_ptr, alpha_pt
 
 @triton.jit
 def overshoot_of(step, kernel, live, ITERATIONS: tl.constexpr):
-    """rho = 2 x the Collatz-Wielandt bound on ||A||_2, A = diag(sqrt(s)) K diag(sqrt(s)),
-    at x = A^ITERATIONS 1 (``residual_mlp.perron_bound``: the power of A / max A, then
-    normalised once) of one chunk's steps s [CP] and kernel bound K [CP, CP] (zero
-    outside the ``live`` tokens)."""
+    """rho = 2 x the Collatz-Wielandt bound on ||diag(sqrt(s)) K diag(sqrt(s))||_2 after
+    ``ITERATIONS`` power iterations (``residual_mlp.overshoot_ratio``) of one chunk's
+    steps s [CP] and kernel bound K [CP, CP] (zero outside the ``live`` tokens)."""
     root = tl.sqrt(tl.maximum(step, 0.0))
     matrix = root[:, None] * kernel * root[None, :]
-    unit = matrix / tl.maximum(tl.max(tl.max(matrix, 1), 0), 1e-30)
     x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
     for _ in tl.static_range(ITERATIONS):
-        x = tl.sum(unit * x[None, :], 1)
-    x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
+        x = tl.sum(matrix * x[None, :], 1)
+        x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
     ratio = tl.where(live, tl.sum(matrix * x[None, :], 1) / x, 0.0)
     return 2.0 * tl.max(ratio, 0)
 

@@ -32,7 +32,6 @@ from hope.memory.ops.triton_kernels import (
     flat_heads,
     load_strided,
     load_tile,
-    overshoot_of,
     store_tile,
 )
 from hope.memory.ops.triton_pass import (
@@ -75,12 +74,19 @@ def _pass_forward(w1_ptr, w2_ptr, k, v, q, t, i, o, I, O, M, HAS_Q: tl.constexpr
 
 @triton.jit
 def _bound(k, gram, back_sq, eta, live, DOT: tl.constexpr):
-    """rho = 2 ||diag(sqrt(eta)) K diag(sqrt(eta))|| (``residual_mlp.overshoot_ratio``;
-    ``triton_kernels.overshoot_of``), K the chunk's kernel bound."""
+    """rho = 2 ||diag(sqrt(eta)) K diag(sqrt(eta))|| by four power iterations
+    (``residual_mlp.overshoot_ratio``), K the chunk's kernel bound."""
     back = tl.sqrt(back_sq)
     key_gram = tl.abs(tl.dot(k, tl.trans(k), input_precision=DOT))
     kernel = tl.abs(gram) + key_gram * (back[:, None] * back[None, :])
-    return overshoot_of(eta, kernel, live, 4)
+    root = tl.sqrt(tl.maximum(eta, 0.0))
+    matrix = root[:, None] * kernel * root[None, :]
+    x = tl.where(live, 1.0, 0.0).to(matrix.dtype)
+    for _ in tl.static_range(4):
+        x = tl.sum(matrix * x[None, :], 1)
+        x = x / tl.maximum(tl.max(x, 0), 1e-30) + 1e-12
+    ratio = tl.where(live, tl.sum(matrix * x[None, :], 1) / x, 0.0)
+    return 2.0 * tl.max(ratio, 0)
 
 
 @triton.jit
