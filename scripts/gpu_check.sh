@@ -2,33 +2,36 @@
 # One-shot GPU check: scripts/gpu_check.sh OUT_DIR
 #
 # For anyone with one CUDA GPU for a quarter of an hour: from a fresh checkout it
-# installs what it needs, then runs, unattended and within about 8 minutes,
-#   1. the CUDA sync-debug test (a training step of four variants under
-#      torch.cuda.set_sync_debug_mode("error"): no host syncs), and the CUDA-graph
-#      tests (a captured and replayed training step and run equal the eager ones),
-#   2. compile parity (the torch.compile'd memory chunk steps equal eager ones;
-#      memory_backend=compile tests), the fused backend's Triton kernels against
-#      their PyTorch forms (tests/test_fused_ops.py) and FLA parity where
-#      flash-linear-attention is installed,
-#   3. the bench of every variant at the pilot_chunks shape (launches per step) and
-#      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4),
-#      eager and with memory_backend=compile: tokens/s, MFU, peak memory, launches;
-#      HOPE's frozen-base reads compiled at the pilot_frozen shape, and hope and
-#      titans_mac with memory_backend=fused at pilot_chunks and pilot, and at pilot
-#      with the step captured as one CUDA graph (bench.cuda_graph),
-#   4. the projection of the pilot shape (hope.bench.projection: launches counted on
-#      this machine's CPU) beside its measured step (measured/eager and
-#      measured/graph = the error),
-#   5. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
+# installs what it needs, then runs, unattended and within GPU_CHECK_BUDGET seconds
+# (default 480; a part that would start with under 30 s left is skipped, saying so):
+#   1. side by side, as none of them is timed: the projection of the bench's pilot
+#      shape (hope.bench.projection: launches counted on this machine's CPU); the
+#      CUDA sync-debug test (a training step of four variants under
+#      torch.cuda.set_sync_debug_mode("error"): no host syncs); the CUDA-graph tests
+#      (a captured and replayed training step and run equal the eager ones); compile
+#      parity (the torch.compile'd memory chunk steps equal eager ones, through
+#      inductor); the fused backend's Triton kernels against their PyTorch forms
+#      (tests/test_fused_ops.py); FLA parity where flash-linear-attention is installed,
+#   2. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
 #      one process (tests/dist_variants_worker.py on CUDA),
+#   3. alone on the GPU, the bench (tokens/s, MFU, peak memory, launches, host syncs)
+#      of every variant at the pilot shape (the pilot preset's dims, 2 layers,
+#      T = 4096, batch 4) eager; hope and titans_mac there with memory_backend=fused,
+#      and with the step captured as one CUDA graph (bench.cuda_graph); every variant
+#      at pilot_chunks (launches per layer-step); the pilot shape with
+#      memory_backend=compile; HOPE's frozen-base reads compiled at pilot_frozen,
+#   4. the projection beside the measured pilot step (measured/eager and
+#      measured/graph: the projection's error),
 # and writes every log and report under OUT_DIR (summary.txt first). A failing part
 # is recorded and the next one still runs; the exit code is that of the first
-# failing part.
+# failing part in that order.
 #
 # Install: a torch already importable (a CUDA image, a conda env) is reused through
 # a --system-site-packages venv; otherwise pip installs the default torch wheel from
-# PyPI, which is the CUDA build on Linux. Without a CUDA device it stops there. The project itself is
-# installed without resolving its dependencies again (--no-deps) when offline.
+# PyPI, which is the CUDA build on Linux. Without a CUDA device it stops there. With
+# network the project is installed with its dev extras; offline it runs from src/ on
+# the packages already there (the bench and these tests need torch, triton, pyyaml,
+# numpy, psutil, safetensors, pytest).
 set -uo pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -41,24 +44,58 @@ status=0
 
 note() { echo "$*" | tee -a "$summary"; }
 
+# GPU_CHECK_BUDGET (seconds, default 480): the parts share it, in the order below
+# (most telling first); a part never runs past it and one that would start with
+# under 30 s left is skipped and says so, so the check fits a short lease.
+budget=${GPU_CHECK_BUDGET:-480}
+deadline=$((SECONDS + budget))
+parts=()
+
 part() {  # part NAME LIMIT_SECONDS COMMAND...: run one part with a time limit, log it
   local name=$1 limit=$2
   shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 30 ]; then
+    note "$name: skipped (GPU_CHECK_BUDGET of $budget s spent)"
+    echo skipped >"$out/$name.rc"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local started=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  note "$name: exit $rc in $((SECONDS - started)) s (log: $name.log)"
-  if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+  echo "$rc" >"$out/$name.rc"
+  note "$name: exit $rc in $((SECONDS - started)) s (limit $limit s; log: $name.log)"
 }
+
+run_part() { parts+=("$1"); part "$@"; }
+# Parts that need no timing run side by side (each its own CUDA context); wait_parts
+# joins them before anything is timed.
+start_part() { parts+=("$1"); part "$@" & }
+wait_parts() { wait; }
 
 venv=.venv-gpu
 python3 -m venv --system-site-packages "$venv" || exit 1
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
+# Offline (a lent machine often reaches nothing), pip would spend minutes retrying:
+# the project then runs from src/ on the packages already there.
+online=0
+python - <<'PY' && online=1
+import socket
+socket.create_connection(("pypi.org", 443), timeout=3).close()
+PY
 if ! python -c 'import torch' 2>/dev/null; then
+  [ "$online" -eq 1 ] || { note "install: no torch here and no network to fetch it"; exit 1; }
   pip install -q torch || { note "install: torch could not be installed"; exit 1; }
 fi
-pip install -q -e ".[dev]" 2>"$out/install.log" || pip install -q --no-deps -e . 2>>"$out/install.log"
+if [ "$online" -eq 1 ]; then
+  pip install -q -e ".[dev]" 2>"$out/install.log" || pip install -q --no-deps -e . 2>>"$out/install.log"
+else
+  note "install: offline; the project runs from src/ on the installed packages"
+fi
+xdist=()  # a worker per test file where pytest-xdist is installed
+python -c 'import xdist' 2>/dev/null && xdist=(-n 4 --dist loadfile)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 python - <<'PY' | tee -a "$summary"
@@ -73,71 +110,13 @@ kept_meta=$(mktemp)
 cp reports/bench.json "$kept" 2>/dev/null || true
 cp reports/bench_meta.json "$kept_meta" 2>/dev/null || true
 
-part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
-# A captured and replayed training step and run (train.cuda_graph) equal the eager
-# ones; the file's CPU checks (meta-device audit, step traces) already ran in CI.
-part graph_capture 150 python -m pytest -q -p no:cacheprovider -rs tests/test_graph_capture.py \
-  -k "captured or bench_refuses or pinned"
-# HOPE_TEST_INDUCTOR=1: every compile test through inductor's kernels (CI traces some
-# without code generation, which takes minutes per graph set on its 2 cores).
-part compile_parity 180 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
-  tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
-# The interpreter and sm_90-compile checks ran on CPU in CI: here, the kernels on CUDA.
-part fused_parity 240 python -m pytest -q -p no:cacheprovider -rs tests/test_fused_ops.py \
-  -m "not slow" -k "not interpreter"
-# FLA parity needs the fla package, which the project does not depend on (and the GPU
-# machine may have no network to fetch it): run it where it imports, say so where not.
-if python -c 'import fla' 2>/dev/null; then
-  part fla_parity 180 python -m pytest -q -p no:cacheprovider -rs tests/test_memory_fla.py
-else
-  note "fla_parity: skipped (flash-linear-attention is not installed here)"
-fi
-
-# DDP and FSDP2 over NCCL (every variant, float64, 2 ranks == 1 process to 1e-10, the
-# FSDP units one per block): needs two GPUs; one GPU cannot hold two NCCL ranks.
-gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
-if [ "$gpus" -ge 2 ]; then
-  part dist_nccl 300 env HOPE_DIST_DEVICE=cuda OMP_NUM_THREADS=1 PYTHONPATH="$PWD/tests:$PYTHONPATH" \
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_variants_worker.py \
-    "$out/dist_nccl.json"
-  part dist_nccl_check 30 python - "$out/dist_nccl.json" <<'PY'
-import json, sys
-report = json.loads(open(sys.argv[1]).read())
-worst = {run: max(row["loss"], row["params"]) for run, row in report.items()}
-for run, diff in worst.items():
-    print(f"{run:28s} max difference from one process {diff:.2e}")
-sys.exit(0 if max(worst.values()) <= 1e-10 else 1)
-PY
-else
-  note "dist_nccl: skipped (DDP/FSDP2 over NCCL needs 2 GPUs; $gpus visible)"
-fi
-
-bench() {  # bench NAME OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.json
-  local name=$1
-  shift
-  part "bench_$name" 150 python stages/bench.py \
-    --set 'bench.variants=[transformer,hope_attention,hope,titans_lmm,titans_mac,titans_mag,titans_mal]' \
-    --set bench.device=cuda --set bench.precision=bf16 --set bench.warmup=1 --set bench.steps=3 \
-    --set 'bench.project_presets=[]' "$@"
-  [ -f reports/bench.json ] && cp reports/bench.json "$out/bench_$name.json"
-  [ -f reports/bench_meta.json ] && cp reports/bench_meta.json "$out/bench_${name}_meta.json"
-}
-bench pilot_chunks --set 'bench.shapes=[pilot_chunks]'
-bench pilot_frozen --set 'bench.shapes=[pilot_frozen]' --set 'bench.variants=[transformer,hope]' \
-  --set bench.memory_backend=compile
-bench pilot --set 'bench.shapes=[pilot]'
-bench pilot_compile --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
-bench pilot_fused --set 'bench.shapes=[pilot_chunks,pilot]' \
-  --set 'bench.variants=[transformer,hope,titans_mac]' \
-  --set bench.memory_backend=fused
-# The whole step captured as one CUDA graph and replayed (train.cuda_graph), with the
-# fused writes: what the projection's graph figure predicts.
-bench pilot_graph --set 'bench.shapes=[pilot]' --set 'bench.variants=[transformer,hope,titans_mac]' \
-  --set bench.memory_backend=fused --set bench.cuda_graph=true --set bench.warmup=4
-
+# The projection (launch counts on the CPU) and the correctness parts time nothing:
+# they run side by side, then the benches run alone on the GPU.
 # The projection of the pilot preset (launch counts on this machine's CPU) for the
-# bench's pilot shape, compared below with its measured step.
-part projection 300 python - "$out" <<'PY'
+# bench's pilot shape, compared at the end with its measured step.
+# (a background job reads no here-document: the program goes through a file)
+projection_py=$(mktemp --suffix=.py)
+cat >"$projection_py" <<'PY'
 import json, sys
 from pathlib import Path
 from hope.bench import projection
@@ -150,12 +129,79 @@ set_default_backend("fused")  # the memories' writes as one kernel each way
 fused = {v: projection.project_variant("pilot", v) for v in ("hope", "titans_mac")}
 Path(sys.argv[1], "projection_fused.json").write_text(json.dumps(fused, indent=1))
 PY
+start_part projection 240 python "$projection_py" "$out"
+start_part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
+# A captured and replayed training step and run (train.cuda_graph) equal the eager
+# ones; the file's CPU checks (meta-device audit, step traces) already ran in CI.
+start_part graph_capture 120 python -m pytest -q -p no:cacheprovider -rs \
+  tests/test_graph_capture.py -k "captured or bench_refuses or pinned"
+# HOPE_TEST_INDUCTOR=1: every compile test through inductor's kernels (CI traces some
+# without code generation, which takes minutes per graph set on its 2 cores).
+start_part compile_parity 120 env HOPE_TEST_INDUCTOR=1 python -m pytest -q -p no:cacheprovider \
+  "${xdist[@]}" tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
+# The interpreter and sm_90-compile checks ran on CPU in CI: here, the kernels on CUDA.
+start_part fused_parity 120 python -m pytest -q -p no:cacheprovider -rs \
+  tests/test_fused_ops.py -m "not slow" -k "not interpreter"
+# FLA parity needs the fla package, which the project does not depend on (and the GPU
+# machine may have no network to fetch it): run it where it imports, say so where not.
+if python -c 'import fla' 2>/dev/null; then
+  start_part fla_parity 150 python -m pytest -q -p no:cacheprovider -rs tests/test_memory_fla.py
+else
+  note "fla_parity: skipped (flash-linear-attention is not installed here)"
+fi
+wait_parts
+rm -f "$projection_py"
+
+# DDP and FSDP2 over NCCL (every variant, float64, 2 ranks == 1 process to 1e-10, the
+# FSDP units one per block): needs two GPUs; one GPU cannot hold two NCCL ranks.
+gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+  run_part dist_nccl 300 env HOPE_DIST_DEVICE=cuda OMP_NUM_THREADS=1 PYTHONPATH="$PWD/tests:$PYTHONPATH" \
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_variants_worker.py \
+    "$out/dist_nccl.json"
+  run_part dist_nccl_check 30 python - "$out/dist_nccl.json" <<'PY'
+import json, sys
+report = json.loads(open(sys.argv[1]).read())
+worst = {run: max(row["loss"], row["params"]) for run, row in report.items()}
+for run, diff in worst.items():
+    print(f"{run:28s} max difference from one process {diff:.2e}")
+sys.exit(0 if max(worst.values()) <= 1e-10 else 1)
+PY
+else
+  note "dist_nccl: skipped (DDP/FSDP2 over NCCL needs 2 GPUs; $gpus visible)"
+fi
+
+bench() {  # bench NAME LIMIT OVERRIDES...: stages/bench.py into OUT_DIR/bench_NAME.json
+  local name=$1 limit=$2
+  shift 2
+  rm -f reports/bench.json reports/bench_meta.json  # a failed part must not pass on another's
+  run_part "bench_$name" "$limit" python stages/bench.py \
+    --set 'bench.variants=[transformer,hope_attention,hope,titans_lmm,titans_mac,titans_mag,titans_mal]' \
+    --set bench.device=cuda --set bench.precision=bf16 --set bench.warmup=1 --set bench.steps=3 \
+    --set 'bench.project_presets=[]' "$@"
+  [ -f reports/bench.json ] && cp reports/bench.json "$out/bench_$name.json"
+  [ -f reports/bench_meta.json ] && cp reports/bench_meta.json "$out/bench_${name}_meta.json"
+}
+# Most telling first: the pilot shape eager (what the projection predicts), with the
+# fused writes, and captured as one CUDA graph (train.cuda_graph, fused writes: the
+# projection's graph figure); then launches at pilot_chunks, compile, frozen reads.
+bench pilot 180 --set 'bench.shapes=[pilot]'
+bench pilot_fused 120 --set 'bench.shapes=[pilot]' \
+  --set 'bench.variants=[transformer,hope,titans_mac]' --set bench.memory_backend=fused
+bench pilot_graph 120 --set 'bench.shapes=[pilot]' \
+  --set 'bench.variants=[transformer,hope,titans_mac]' \
+  --set bench.memory_backend=fused --set bench.cuda_graph=true --set bench.warmup=4
+bench pilot_chunks 150 --set 'bench.shapes=[pilot_chunks]'
+bench pilot_compile 150 --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
+bench pilot_frozen 120 --set 'bench.shapes=[pilot_frozen]' --set 'bench.variants=[transformer,hope]' \
+  --set bench.memory_backend=compile
 
 python - "$out" <<'PY' | tee -a "$summary"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("pilot_chunks", "pilot", "pilot_compile", "pilot_fused", "pilot_graph"):
+for name in ("pilot", "pilot_fused", "pilot_graph", "pilot_chunks", "pilot_compile",
+             "pilot_frozen"):
     path = out / f"bench_{name}.json"
     if not path.exists():
         print(f"{name}: no report")
@@ -197,5 +243,12 @@ PY
 [ -s "$kept" ] && cp "$kept" reports/bench.json
 [ -s "$kept_meta" ] && cp "$kept_meta" reports/bench_meta.json
 rm -f "$kept" "$kept_meta"
+for name in "${parts[@]}"; do
+  rc=$(cat "$out/$name.rc" 2>/dev/null || echo missing)
+  if [ "$rc" != 0 ] && [ "$rc" != skipped ] && [ "$status" -eq 0 ]; then
+    status=$rc
+    [ "$rc" = missing ] && status=1
+  fi
+done
 note "gpu_check: exit $status"
 exit "$status"
