@@ -76,6 +76,11 @@ wait_parts() { wait; }
 
 venv=.venv-gpu
 python3 -m venv --system-site-packages "$venv" || exit 1
+# The packages of the python3 that made the venv, where that python3 is itself a
+# virtual environment (a CUDA image's torch often lives in one, which
+# --system-site-packages alone does not reach): a .pth file lists its folders.
+python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+  >"$("$venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')/outer_env.pth"
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 # Offline (a lent machine often reaches nothing), pip would spend minutes retrying:
@@ -129,7 +134,7 @@ set_default_backend("fused")  # the memories' writes as one kernel each way
 fused = {v: projection.project_variant("pilot", v) for v in ("hope", "titans_mac")}
 Path(sys.argv[1], "projection_fused.json").write_text(json.dumps(fused, indent=1))
 PY
-start_part projection 240 python "$projection_py" "$out"
+start_part projection 150 python "$projection_py" "$out"
 start_part cuda_syncs 120 python -m pytest -q -p no:cacheprovider tests/test_cuda_syncs.py
 # A captured and replayed training step and run (train.cuda_graph) equal the eager
 # ones; the file's CPU checks (meta-device audit, step traces) already ran in CI.
