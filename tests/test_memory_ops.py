@@ -184,6 +184,32 @@ def test_curvature_closed_form_gradient_equals_its_elementary_twin(expanded_w1):
     assert torch.autograd.gradcheck(lambda *t: residual_mlp._Curvature.apply(*t)[0], checked)
 
 
+def test_curvature_gradient_takes_mixed_precision_inputs_as_autocast_leaves_them():
+    """Under bf16 autocast the curvature's inputs can arrive in two dtypes: on CUDA the
+    keys come out of their normalisation in fp32 (autocast's fp32 list) beside bf16
+    hidden activations, so the incoming gradient is fp32 and the saved slope bf16 (the
+    pilot bench of titans_mac failed there). Backward runs outside autocast and still
+    returns each input's gradient, equal to the float64 one at bf16 precision."""
+    gen = torch.Generator().manual_seed(7)
+    act, slope = torch.randn(2, 3, 5, 8, generator=gen), torch.randn(2, 3, 5, 8, generator=gen)
+    w1, k = torch.randn(2, 3, 6, 8, generator=gen), torch.randn(2, 3, 5, 4, generator=gen)
+    probe = torch.randn(2, 3, 5, generator=gen)
+    dtypes = (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)
+    rounded = [t.to(dt) for t, dt in zip((act, slope, w1, k), dtypes, strict=True)]
+    mixed = [t.clone().requires_grad_() for t in rounded]
+    exact = [t.double().requires_grad_() for t in rounded]
+    with torch.autocast("cpu", torch.bfloat16):
+        got = residual_mlp._Curvature.apply(*mixed)[0]
+    assert got.dtype == torch.float32
+    grads = torch.autograd.grad((got * probe).sum(), mixed)
+    ref = residual_mlp._Curvature.apply(*exact)[0]
+    want = torch.autograd.grad((ref * probe.double()).sum(), exact)
+    for name, g, w, t in zip(("act", "slope", "w1", "k"), grads, want, mixed, strict=True):
+        assert g.dtype == t.dtype, name
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double(), w, rtol=0.05, atol=0.05 * scale, msg=name)
+
+
 def test_linear_case_gradient_is_sum_of_two_error_outer_products():
     """For the output (linear) layer: G1 = sum_t 2 (pred_t - v_hat_t) a_t^T (no 1/2)."""
     torch.manual_seed(2)
