@@ -382,6 +382,16 @@ def _keep_layout(t: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tens
     return torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device).copy_(t)
 
 
+def distinct_storages(name: str, outputs: tuple[torch.Tensor | None, ...]) -> None:
+    """A custom operator's outputs may share no storage (torch.library refuses them, as
+    the H200 run of the fused step did when two empty outputs were one tensor)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    refs = [StorageWeakRef(t.untyped_storage()) for t in outputs if t is not None]
+    if len(set(refs)) != len(refs):
+        raise AssertionError(f"{name}: outputs share storage")
+
+
 def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     """``hope::smt_step``'s kernels against its reference, every output and gradient."""
     errors = {}
@@ -423,6 +433,7 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         name = f"step_{read}_{tail}_{loss}_{str(dtype)[6:]}"
         present = [j for j, t in enumerate(want) if t.numel()]
         got = smt_step_triton(x, options)
+        distinct_storages(f"{name} forward", got)  # a custom op's outputs may not alias
         errors[f"{name}_forward"] = worst(tuple(got[j] for j in present),
                                           tuple(want[j] for j in present))  # fmt: skip
         grads = tuple(None if j in missing or not w.numel() else rand_like(w, gen)
@@ -436,6 +447,7 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         grads = (*grads[:4], *longer, *grads[6:])
         saved = (*x, want[4], want[5])
         got_g = smt_step_backward_triton(saved, options, grads)
+        distinct_storages(f"{name} backward", got_g)
         ref = smt_step_backward_reference(x, options, grads)
         if [t is None for t in got_g] != [t is None for t in ref]:
             raise AssertionError(f"{name}: gradients present {got_g} vs {ref}")

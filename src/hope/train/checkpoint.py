@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 
 from hope.config import Config, config_from_dict
 from hope.errors import StageError
@@ -129,6 +130,10 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``capture_rng_state`` saved. The states are host bytes wherever the
+    checkpoint was mapped: a resume on CUDA loads it onto the GPU, and the generators
+    take CPU tensors only (the H200 run's resume failed there)."""
+    state = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, state)
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

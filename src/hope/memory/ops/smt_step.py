@@ -237,8 +237,8 @@ def _(
 ) -> StepResult:
     b, h, c, i = x.shape
     tokens = c + (0 if pend_rows is None else pend_rows.shape[2])
-    weights = [torch.empty_like(w1), torch.empty_like(w2)]
-    mem = [x.new_empty(0)] * 4
+    weights = [torch.empty_like(t) for t in (w1, w2, w1, w2)]  # four outputs, four tensors
+    mem = [x.new_empty(0) for _ in range(4)]  # four tensors: outputs may not alias
     if r1 is not None and r2 is not None:
         mem[:2] = [torch.empty_like(r1), torch.empty_like(r2)]
     if flush and r1 is not None and r2 is not None:
@@ -248,7 +248,7 @@ def _(
             torch.empty_like(r1),
             torch.empty_like(r2),
         ]
-    return (*weights, *weights, x.new_empty(b, h, tokens, 3, i), x.new_empty(b, h, tokens, 2),
+    return (*weights, x.new_empty(b, h, tokens, 3, i), x.new_empty(b, h, tokens, 2),
             x.new_empty(b, h, c, w1.shape[-2]), *mem,
             torch.empty_like(alpha_bias))  # type: ignore[return-value]  # fmt: skip
 

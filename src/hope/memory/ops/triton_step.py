@@ -335,7 +335,7 @@ def smt_step_triton(
     weights = [w1.new_empty(t.shape) for t in (w1, w2, w1, w2)]
     ext = [x.new_empty(b, heads, n, 3, i), x.new_empty(b, heads, n, 2)]
     read = x.new_empty(b, heads, c, w1.shape[-2])
-    mem = [x.new_empty(0)] * 4
+    mem = [x.new_empty(0) for _ in range(4)]  # four tensors: outputs may not alias
     if r1 is not None and r2 is not None:  # written (flush) or carried
         mem[:2] = [r1.new_empty(r1.shape), r2.new_empty(r2.shape)]
     if options[4] and r1 is not None and r2 is not None:
