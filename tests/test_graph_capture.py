@@ -151,6 +151,24 @@ def test_the_audit_names_a_host_upload_and_its_line() -> None:
     assert on_cpu.found == [] and len(on_cpu.trace) > 3
 
 
+def test_the_audit_lets_fused_attention_keep_its_dropout_seed_on_the_host() -> None:
+    """CUDA's fused attention returns its dropout seed and offset as host tensors and
+    its backward takes them back; a capture does not read them, so the audit passes
+    them (the H200 run refused every attention step before). Any other op with a host
+    tensor is still named."""
+    q = torch.zeros(1, 2, 8, 16, device=META)
+    seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    with HostTensorAudit(META) as audit:
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, True)
+        torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            out, q, q, q, None, out, lse, seed, offset, 0.0, (True, True, True, False)
+        )
+    assert audit.found == []
+    with HostTensorAudit(META) as audit:
+        q * torch.tensor(2.0)  # a host number the capture would freeze
+    assert [found.split(" at ")[0] for found in audit.found][-1] == "aten.mul.Tensor"
+
+
 def step_traces(variant: str, replayable: bool) -> str | None:
     """Where the third training step's op trace departs from the second's (None: the
     same ops with the same arguments, so a replay of one is the other)."""
