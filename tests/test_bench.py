@@ -240,8 +240,9 @@ def test_pilot_shape_is_the_pilot_preset_in_two_layers_at_its_context() -> None:
     pilot = load_config(None, ["preset=pilot"])
     shape = bench_run.bench_shape(cfg, "pilot")
     assert (shape.seq_len, shape.model.n_layers) == (pilot.data.seq_len, 2)
-    for key in ("dim", "n_heads", "vocab_size", "cms_periods", "smt_chunk", "smt_mem_chunk",
-                "smt_expansion", "titans_chunk", "titans_expansion", "titans_window"):  # fmt: skip
+    for key in ("dim", "n_heads", "vocab_size", "cms_periods", "cms_lr", "smt_chunk",
+                "smt_mem_chunk", "smt_expansion", "titans_chunk", "titans_expansion",
+                "titans_window"):  # fmt: skip
         assert getattr(shape.model, key) == getattr(pilot.model, key), key
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from hope.config import Config
+from hope.config import Config, load_config
 from hope.errors import ConfigError
 from hope.memory.cms import CMSLevel, prefers_dual_read
 from hope.memory.cms_chain import CMS, split_hidden
@@ -137,7 +137,10 @@ def bench_shape(cfg: Config, name: str) -> Shape:
         forms = preset_read_forms(widths, PILOT_CHUNKS_SEQ_LEN)
         return Shape(name, model, PILOT_CHUNKS_SEQ_LEN, 1, tuple(forms))
     if name == "pilot":
-        model = dataclasses.replace(cfg.model, **PILOT_MODEL)
+        # The pilot preset's CMS inner rate too: the run's own (tiny) rate diverges at
+        # this width (configs/presets/pilot.yaml), which the step's values would show.
+        pilot_rate = load_config(None, ["preset=pilot"]).model.cms_lr
+        model = dataclasses.replace(cfg.model, **PILOT_MODEL, cms_lr=pilot_rate)
         return Shape(name, model, PILOT_SEQ_LEN, PILOT_BATCH)
     raise ConfigError(
         f"bench.shapes: unknown shape {name!r} (tiny, smoke, pilot_chunks, pilot_frozen, pilot)"

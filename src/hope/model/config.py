@@ -64,6 +64,8 @@ class ModelConfig:
     # teach_pass | exact_online: how the levels write (MECHANISMS §8.3); static: plain
     # MLPs in training (model.train()), teach_pass writes at test time (model.eval()).
     cms_mode: Literal["teach_pass", "exact_online", "static"] = "teach_pass"
+    # The levels' inner rate, tuned at the tiny width; it diverges at paper widths, so
+    # configs/presets/{pilot,mid,target}.yaml set their own (tests/test_preset_stability.py).
     cms_lr: float = 1e-3
     cms_retention: float = 1.0
     # The inner rule of every level (hope.optim.inner; NL §2.3): gd (eq. 31),
