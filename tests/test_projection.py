@@ -88,8 +88,8 @@ def test_step_projection_arithmetic() -> None:
     h200 = row["devices"]["H200"]
     floor = max(row["flops"] / (989e12 * 0.4), row["bytes"] / 4.8e12)
     assert h200["floor_ms"] == pytest.approx(floor * 1e3)
-    assert h200["eager_ms"] == pytest.approx((floor + 1000 * 5e-6) * 1e3)
-    assert h200["graph_ms"] == pytest.approx((floor + 1000 * 1.5e-6) * 1e3)
+    assert h200["eager_ms"] == pytest.approx((floor + 1000 * p.EAGER_LAUNCH_S) * 1e3)
+    assert h200["graph_ms"] == pytest.approx((floor + 1000 * p.GRAPH_LAUNCH_S) * 1e3)
     assert h200["mfu_eager"] == pytest.approx(row["flops"] / (h200["eager_ms"] / 1e3 * 989e12))
     assert h200["mfu_eager"] < h200["mfu_graph"] <= p.ACHIEVABLE
     # A100: same FLOPs, a third of the peak -> a longer floor

@@ -60,10 +60,14 @@ DEVICES: dict[str, tuple[float, float]] = {
 # Fraction of the peak that the matmuls of a large training step sustain (an
 # assumption, the 40% of the bench issue; well-tuned dense LMs report 40-55% MFU).
 ACHIEVABLE = 0.4
-# Host time per kernel launch: an eager PyTorch op costs a few microseconds of
-# Python + dispatcher + driver time (5 us assumed); a replayed CUDA graph removes
-# the host side, leaving about 1.5 us of GPU-side gap between tiny kernels.
-EAGER_LAUNCH_S = 5e-6
+# Host time per dispatched op in an eager step: Python (the model's own code around
+# each op), dispatcher and driver. Measured, not assumed (5 us was assumed before):
+# on a lent H200 machine (torch 2.11, CUDA 13, 2026-12-04) hope's eager step at the
+# bench's pilot shape took 12.6 s for 669,244 dispatched ops with the GPU idle within
+# 1 ms of the host, 18.8 us each (reports/gpu_check_2026-12-04.md). A replayed CUDA
+# graph removes the host side, leaving about 1.5 us of GPU-side gap between tiny
+# kernels (assumed; not yet measured).
+EAGER_LAUNCH_S = 18.8e-6
 GRAPH_LAUNCH_S = 1.5e-6
 OPTIMIZER_BYTES_PER_PARAM = 36
 ACTIVATION_BYTES_PER_TOKEN = 2 * 34  # × dim × layers: written once, read once
