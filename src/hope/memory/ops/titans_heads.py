@@ -91,7 +91,10 @@ def titans_heads_backward_reference(
         d_padded = d_padded + F.pad(grads[6], (0, 0, length, 0))
     s = torch.sigmoid(pre)
     d_pre = d_padded[:, window - 1 :] * s * (1.0 + pre * (1.0 - s))
-    d_weight = torch.einsum("btc,btcw->bcw", d_y, padded.unfold(1, window, 1))
+    # The outputs' gradients may come in fp32 beside bf16 activations (CUDA autocast
+    # runs the normalisations in fp32): the product takes the wider dtype.
+    common = torch.promote_types(d_y.dtype, padded.dtype)
+    d_weight = torch.einsum("btc,btcw->bcw", d_y.to(common), padded.unfold(1, window, 1).to(common))
     d_weight = (d_weight.sum(0) if weight.dim() == 2 else d_weight).to(weight.dtype)
     gate = torch.sigmoid(gate_pre).view(batch, length, 3, heads)
     d_gate = torch.stack([token_major(g, gate[:, :, 0]) for g in grads[3:6]], dim=2)
