@@ -98,6 +98,18 @@ def worst(got: tuple[Any, ...], want: tuple[Any, ...]) -> float:
     )
 
 
+def distinct_storages(name: str, outputs: Any) -> None:
+    """A custom operator's outputs (a tensor or a sequence) may share no storage:
+    torch.library refuses them, as the H200 run of the fused step did when two empty
+    outputs were one tensor."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    seq = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    refs = [StorageWeakRef(t.untyped_storage()) for t in seq if t is not None]
+    if len(set(refs)) != len(refs):
+        raise AssertionError(f"{name}: outputs share storage")
+
+
 def momentum_errors(
     c: int, i: int, m: int, o: int, dtype: torch.dtype, device: str
 ) -> dict[str, float]:
@@ -179,6 +191,7 @@ def rms_norm_errors(width: int, dtype: torch.dtype, device: str) -> dict[str, fl
     name = f"rms_norm_{str(dtype).removeprefix('torch.')}_D{width}"
     forward = worst((rms_norm_triton(x, weight, 1e-6),), (rms_norm_reference(x, weight, 1e-6),))
     got = rms_norm_backward_triton(x, weight, grad, 1e-6)
+    distinct_storages("rms_norm_backward_triton", got)
     want = rms_norm_backward_reference(x, weight, grad, 1e-6)
     return {f"{name}_forward": forward, f"{name}_backward": worst(got, want)}
 
@@ -229,6 +242,7 @@ def pass_errors(case: dict[str, Any], dtype: torch.dtype, device: str) -> dict[s
     name = f"pass_{mode}_{str(dtype).removeprefix('torch.')}"
     present = [j for j, t in enumerate(want) if t.numel()]  # v_hat, read may be empty
     got = memory_pass_triton(*x, *options)
+    distinct_storages("memory_pass_triton", got)
     errors = {
         f"{name}_forward": worst(tuple(got[j] for j in present), tuple(want[j] for j in present))
     }
@@ -240,6 +254,7 @@ def pass_errors(case: dict[str, Any], dtype: torch.dtype, device: str) -> dict[s
             grads[1] = rand(b, g * h, rows + 3, want[1].shape[3])[:, :, 2 : 2 + rows]
         saved = (*x, want[2])
         got = memory_pass_backward_triton(saved, *options, tuple(grads))
+        distinct_storages("memory_pass_backward_triton", got)
         ref = memory_pass_backward_reference(saved, *options, tuple(grads))
         pairs = [(a, r) for a, r in zip(got, ref, strict=True) if r is not None]
         errors[f"{name}_backward{len(missing)}"] = worst(*zip(*pairs, strict=True))
@@ -272,6 +287,7 @@ def apply_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     x = (w1, w2, rand(b, t + 4, h, i).transpose(1, 2)[:, :, 2 : 2 + t], None, True, 2, 1)
     name = f"apply_strided_{str(dtype).removeprefix('torch.')}"
     got = memory_apply_triton(*x, True)
+    distinct_storages("memory_apply_triton", got)
     if not got.transpose(1, 2).is_contiguous():
         raise AssertionError(f"{name}: not token-major, strides {got.stride()}")
     errors[f"{name}_forward"] = worst((got,), (memory_apply_reference(*x),))
@@ -311,6 +327,7 @@ def generation_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
             grads = [None if j in missing else rand_like(w, gen) for j, w in enumerate(want)]
             args = (raw, query, want[4], 0.7, grads)
             got = smt_generation_backward_triton(*args)
+            distinct_storages("smt_generation_backward_triton", got)
             ref = smt_generation_backward_reference(*args)
             pairs = [(a, r) for a, r in zip(got, ref, strict=True) if r is not None]
             errors[f"{name}_backward{len(missing)}"] = worst(*zip(*pairs, strict=True))
@@ -351,12 +368,14 @@ def write_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         name = f"write_{g}x{c}_{mode}_{str(dtype).removeprefix('torch.')}"
         present = [j for j, t in enumerate(want) if t.numel()]
         got = smt_write_triton(x, *options)
+        distinct_storages("smt_write_triton", got)
         errors[f"{name}_forward"] = worst(tuple(got[j] for j in present),
                                           tuple(want[j] for j in present))  # fmt: skip
         for missing in ((), (2, 3, 4)):
             grads = tuple(None if j in missing or not w.numel() else rand_like(w, gen)
                           for j, w in enumerate(want))  # fmt: skip
             got_g = smt_write_backward_triton(x, *options, grads)
+            distinct_storages("smt_write_backward_triton", got_g)
             ref_g = smt_write_backward_reference(x, *options, grads)
             pairs = [(a, r) for a, r in zip(got_g, ref_g, strict=True) if r is not None]
             errors[f"{name}_backward{len(missing)}"] = worst(*zip(*pairs, strict=True))
@@ -380,16 +399,6 @@ STEP_CASES = [
 def _keep_layout(t: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
     """``t`` on ``device`` in ``dtype`` with its strides (``.to`` makes strided views dense)."""
     return torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=device).copy_(t)
-
-
-def distinct_storages(name: str, outputs: tuple[torch.Tensor | None, ...]) -> None:
-    """A custom operator's outputs may share no storage (torch.library refuses them, as
-    the H200 run of the fused step did when two empty outputs were one tensor)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    refs = [StorageWeakRef(t.untyped_storage()) for t in outputs if t is not None]
-    if len(set(refs)) != len(refs):
-        raise AssertionError(f"{name}: outputs share storage")
 
 
 def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
@@ -697,6 +706,7 @@ def main(
             for with_inc in (True, False):
                 g_inc = (grads[2], grads[3]) if with_inc else (None, None)
                 got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
+                distinct_storages("dgd_chunk_backward_triton", got)
                 ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
                 errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
         errors |= shared_errors(dtype, device)
