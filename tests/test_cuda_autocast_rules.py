@@ -72,12 +72,34 @@ def test_the_rules_run_cuda_fp32_ops_in_fp32(cuda_autocast_rules: None) -> None:
     assert x.sum().dtype == torch.float32 and torch.exp(x.bfloat16()).dtype == torch.bfloat16
 
 
+# Modes with their own paths through the memories (variant, backend, overrides).
+MODES = (
+    ("hope", "torch", ("model.smt_chunk=8", "model.smt_mem_chunk=8", "model.smt_read_chunk=4")),
+    ("hope", "fused", ("model.checkpoint_blocks=true",)),
+    ("hope", "torch", ("model.cms_rule=momentum", "model.cms_momentum=0.9")),
+    ("hope", "torch", ("model.cms_adaptive_lr=true", "model.smt_adaptive_q=true")),
+    ("hope", "torch", ("model.cms_mode=exact_online", "model.smt_checkpoint_chunks=2")),
+    ("titans_mac", "torch", ("model.titans_depth=3",)),
+)
+
+
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_bf16_training_step_runs_under_cuda_autocast_rules(
     variant: str, backend: str, cuda_autocast_rules: None
 ) -> None:
-    cfg = hope.load_config(None, [f"model.variant={variant}", *TINY_SHAPE])
+    _bf16_step(variant, backend, ())
+
+
+@pytest.mark.parametrize(("variant", "backend", "overrides"), MODES)
+def test_memory_modes_run_a_bf16_step_under_cuda_autocast_rules(
+    variant: str, backend: str, overrides: tuple[str, ...], cuda_autocast_rules: None
+) -> None:
+    _bf16_step(variant, backend, overrides)
+
+
+def _bf16_step(variant: str, backend: str, overrides: tuple[str, ...]) -> None:
+    cfg = hope.load_config(None, [f"model.variant={variant}", *TINY_SHAPE, *overrides])
     torch.manual_seed(0)
     model = hope.build_model(cfg.model)
     optimizer = build_optimizer(model, cfg.optim)
