@@ -165,6 +165,12 @@ def test_the_audit_lets_fused_attention_keep_its_dropout_seed_on_the_host() -> N
         )
     assert audit.found == []
     with HostTensorAudit(META) as audit:
+        mask = torch.zeros(8, 8)  # a host mask is still a host read, in attention too
+        torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, mask, False)
+    assert [found.split(" at ")[0] for found in audit.found][-1].startswith(
+        "aten._scaled_dot_product_efficient_attention"
+    )
+    with HostTensorAudit(META) as audit:
         q * torch.tensor(2.0)  # a host number the capture would freeze
     assert [found.split(" at ")[0] for found in audit.found][-1] == "aten.mul.Tensor"
 
