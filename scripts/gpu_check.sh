@@ -193,8 +193,8 @@ bench() {  # bench NAME LIMIT OVERRIDES...: stages/bench.py into OUT_DIR/bench_N
 # Most telling first: the pilot shape eager (what the projection predicts) for all but
 # hope, whose eager step takes ~13 s there (H200, 2026-12-04); hope and titans_mac with
 # the fused writes, and captured as one CUDA graph (train.cuda_graph, fused writes: the
-# projection's graph figure); hope eager in one timed step; then launches at
-# pilot_chunks, compile, frozen reads.
+# projection's graph figure); launches at pilot_chunks; hope eager in one timed step
+# (measured once already); compile; frozen reads.
 bench pilot 120 --set 'bench.shapes=[pilot]' \
   --set 'bench.variants=[transformer,hope_attention,titans_lmm,titans_mac,titans_mag,titans_mal]'
 bench pilot_fused 120 --set 'bench.shapes=[pilot]' \
@@ -202,10 +202,11 @@ bench pilot_fused 120 --set 'bench.shapes=[pilot]' \
 bench pilot_graph 120 --set 'bench.shapes=[pilot]' \
   --set 'bench.variants=[transformer,hope,titans_mac]' \
   --set bench.memory_backend=fused --set bench.cuda_graph=true --set bench.warmup=4
+bench pilot_chunks 150 --set 'bench.shapes=[pilot_chunks]'
 bench pilot_hope 150 --set 'bench.shapes=[pilot]' --set 'bench.variants=[hope]' \
   --set bench.steps=1
-bench pilot_chunks 150 --set 'bench.shapes=[pilot_chunks]'
-bench pilot_compile 150 --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile
+bench pilot_compile 150 --set 'bench.shapes=[pilot]' --set bench.memory_backend=compile \
+  --set 'bench.variants=[transformer,hope,titans_mac]' --set bench.steps=1
 bench pilot_frozen 120 --set 'bench.shapes=[pilot_frozen]' --set 'bench.variants=[transformer,hope]' \
   --set bench.memory_backend=compile
 
