@@ -87,7 +87,7 @@ source "$venv/bin/activate"
 # Offline (a lent machine often reaches nothing), pip would spend minutes retrying:
 # the project then runs from src/ on the packages already there.
 online=0
-python - <<'PY' && online=1
+python - 2>/dev/null <<'PY' && online=1
 import socket
 socket.create_connection(("pypi.org", 443), timeout=3).close()
 PY
