@@ -197,10 +197,11 @@ class _Curvature(torch.autograd.Function):
         if needs[2]:
             # d c / d col_sq[j] = sum_t g_back[t] slope[t, j]^2 (slope^2 recomputed, not saved).
             # Backward runs outside autocast, where the incoming gradient and the saved
-            # slope may differ in dtype (bf16 / fp32 on CUDA): the product takes one.
-            slope_sq = slope * slope
-            g_row = g_back.unsqueeze(-2).to(slope_sq.dtype)
-            d_col = (g_row @ slope_sq).squeeze(-2)  # [B, H, h_m]
+            # slope may differ in dtype (bf16 / fp32 on CUDA): the product takes the
+            # wider one, as the Titans heads' backward does.
+            common = torch.promote_types(g_back.dtype, slope.dtype)
+            slope_sq = (slope * slope).to(common)
+            d_col = (g_back.unsqueeze(-2).to(common) @ slope_sq).squeeze(-2)  # [B, H, h_m]
             d_w1 = 2.0 * w1 * d_col.unsqueeze(-2)
         d_k = 2.0 * k * (grad * back_sq).unsqueeze(-1) if needs[3] else None
         return d_act, d_slope, d_w1, d_k
