@@ -3,6 +3,7 @@ outputs, meta-gradients and written state, float64 (MECHANISMS §8.3b "dual form
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from conftest import F64
 from conftest import rand64 as rand
 from hope.bench.measure import LaunchCounter
 from hope.memory.cms import CMSLevel
-from hope.memory.cms_state import LevelState
+from hope.memory.cms_state import LevelState, fresh_zeros, is_known_zero
 from hope.memory.fast_state import tensor_leaves
 from hope.memory.ops.cms_dual import (
     _device_table,
@@ -81,6 +82,56 @@ def test_dual_read_equals_materialised_read(rule: str, period: int, prefix: int)
     assert_same(out, run(ref, x, teach, prefix % period))
     # The writes are visible: the read differs from the θ0 MLP after the first chunk.
     assert (out[0] - dual(x)).abs().max() > 1e-3
+
+
+def unmarked(state: LevelState) -> LevelState:
+    """The same zeros as ``state``'s, as copies that carry no fresh mark."""
+
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.clone()
+
+    return replace(
+        state,
+        delta_in=state.delta_in.clone(),
+        delta_out=state.delta_out.clone(),
+        mom_in=copy(state.mom_in),
+        mom_out=copy(state.mom_out),
+    )
+
+
+@pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
+def test_a_fresh_state_leaves_out_its_zero_delta_terms(rule: str) -> None:
+    """A fresh state's Δ and m are marked zeros, so pass A's read and the dual read
+    leave out their matmuls: same outputs, gradients and written state as reading the
+    same zeros unmarked, in fewer launches."""
+    level, _ = level_pair(3, LINEAR_RULES[rule]())
+    x, teach = rand(2, 12, DIM), rand(2, 12, DIM, seed=2)
+    fresh = level.init_state(2, dtype=F64)
+    plain = unmarked(fresh)
+    assert fresh.carries_nothing() and not plain.carries_nothing()
+    runs, launches = [], []
+    for state in (fresh, plain):
+        xg = x.clone().requires_grad_(True)
+        counter = LaunchCounter()
+        with counter:
+            y, written = level.teach_forward(xg, teach, state)
+            read_a = level(xg, state)  # pass A: θ0 + Δ
+        probe = rand(*y.shape, seed=9)
+        grads = torch.autograd.grad(((y + read_a) * probe).sum(), [xg, level.w_in, level.w_out])
+        runs.append((y + read_a, grads, written))
+        launches.append(counter.count)
+    assert_same(runs[0], runs[1])
+    assert launches[0] < launches[1]
+    assert not runs[0][2].carries_nothing()  # written: the next call reads its Δ
+
+
+def test_known_zero_marks_do_not_survive_a_write() -> None:
+    zeros = fresh_zeros(2, 3, device=torch.device("cpu"), dtype=F64)
+    assert is_known_zero(zeros) and is_known_zero(None)
+    assert not is_known_zero(zeros.clone()) and not is_known_zero(zeros.detach())
+    assert not is_known_zero(torch.zeros(2, 3, dtype=F64))  # zeros, but not marked
+    zeros[0].add_(1.0)  # in place, through a view
+    assert not is_known_zero(zeros)
 
 
 def test_dual_read_with_surprise_gates_and_a_pending_chunk() -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hope.memory.cms_state import ChunkDeltas, ChunkLayout, LevelState
+from hope.memory.cms_state import ChunkDeltas, ChunkLayout, LevelState, fresh_zeros
 from hope.memory.ops.cms_dual import dual_teach_read
 from hope.memory.ops.cms_scan import scan_chunk_deltas
 from hope.memory.surprise import chunk_gate, token_mask, token_scores
@@ -95,16 +95,19 @@ class CMSLevel(nn.Module):
         def zeros(*shape: int) -> Tensor:
             return torch.zeros(*shape, device=device, dtype=dtype)
 
+        def fast_zeros(*shape: int) -> Tensor:  # Δ and momenta: reads may skip them
+            return fresh_zeros(*shape, device=device, dtype=dtype)
+
         d, h = self.dim, self.hidden
         momentum = self.rule.uses_momentum
 
         def mom_init(out_dim: int, in_dim: int) -> Tensor | None:
             shape = self.rule.momentum_shape(out_dim, in_dim)
-            return zeros(batch_size, *shape) if momentum else None
+            return fast_zeros(batch_size, *shape) if momentum else None
 
         return LevelState(
-            delta_in=zeros(batch_size, h, d),
-            delta_out=zeros(batch_size, d, h),
+            delta_in=fast_zeros(batch_size, h, d),
+            delta_out=fast_zeros(batch_size, d, h),
             mom_in=mom_init(h, d),
             mom_out=mom_init(d, h),
             pending_inputs=zeros(batch_size, 0, d),
@@ -155,7 +158,7 @@ class CMSLevel(nn.Module):
         θ0 + Δ_n in one batched matmul (pass B). Never writes.
         """
         if chunk_deltas is None:
-            if state is None:
+            if state is None or state.carries_nothing():  # θ0 + 0: no Δ matmuls
                 return self._read(x_norm, None, None)
             return self._read(x_norm, state.delta_in, state.delta_out)
         batch, length, dim = x_norm.shape

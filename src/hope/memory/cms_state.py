@@ -10,6 +10,28 @@ from torch import Tensor
 
 from hope.memory.fast_state import where_samples
 
+# The version a fresh state's zero tensor had when made (``fresh_zeros``).
+_ZERO_AT = "_hope_fresh_zero_at"
+
+
+def fresh_zeros(*shape: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Zeros for a fresh fast state, marked so that reads can leave out their terms
+    (``is_known_zero``)."""
+    zeros = torch.zeros(*shape, device=device, dtype=dtype)
+    setattr(zeros, _ZERO_AT, zeros._version)
+    return zeros
+
+
+def is_known_zero(tensor: Tensor | None) -> bool:
+    """Whether ``tensor`` is absent or a ``fresh_zeros`` tensor not written since. A
+    write either makes a new tensor (unmarked) or writes in place (its version moves
+    on), so a marked tensor at its marked version still holds zeros. Decided on the
+    host from Python attributes: no device read."""
+    if tensor is None:
+        return True
+    marked = getattr(tensor, _ZERO_AT, None)
+    return marked is not None and not tensor.is_inference() and marked == tensor._version
+
 
 @dataclass
 class LevelState:
@@ -28,6 +50,13 @@ class LevelState:
     @property
     def pending(self) -> int:
         return self.pending_inputs.shape[1]
+
+    def carries_nothing(self) -> bool:
+        """Δ and momenta are still a fresh context's zeros (``is_known_zero``), so a read
+        through θ0 + Δ is a read through θ0: the Δ terms can be left out (at training
+        every row starts so; a stream carries Δ after its first write)."""
+        tensors = (self.delta_in, self.delta_out, self.mom_in, self.mom_out)
+        return all(is_known_zero(t) for t in tensors)
 
     def reset_where(self, fresh: LevelState, reset_mask: Tensor) -> LevelState:
         """Per-sample reset to ``fresh`` (Δ, momenta, counters). The chunk phase is

@@ -231,11 +231,14 @@ def _scan_factors(
     inputs = layout.inputs.reshape(batch, -1, dim)
     teach = layout.teach.reshape(batch, -1, dim)
     c_delta, c_mom = carried
-    pre_0 = inputs @ w_in.t() + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
-    # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
-    out_t0 = state.delta_out.transpose(-1, -2)
-    mom_t0 = None if state.mom_out is None else state.mom_out.transpose(-1, -2)
-    back_0 = teach @ w_out + _carried(teach, out_t0, mom_t0, c_delta, c_mom)
+    pre_0 = inputs @ w_in.t()
+    back_0 = teach @ w_out
+    if not state.carries_nothing():
+        pre_0 = pre_0 + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
+        # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
+        out_t0 = state.delta_out.transpose(-1, -2)
+        mom_t0 = None if state.mom_out is None else state.mom_out.transpose(-1, -2)
+        back_0 = back_0 + _carried(teach, out_t0, mom_t0, c_delta, c_mom)
     key_scores = (inputs @ inputs[:, :fired].transpose(1, 2)) * token_coef
     teach_scores = (teach @ teach[:, :fired].transpose(1, 2)) * token_coef
     scan = (pre_0, back_0, key_scores, teach_scores, chunk)
@@ -274,12 +277,16 @@ def dual_teach_read(
     dtype = x_norm.dtype
     q_coef = token_coef[:, queries].to(dtype)
     q_delta, q_mom = (c[:, queries].to(dtype) for c in carried)
+    # A fresh state's carried Δ_0, m_0 are zeros: their terms are left out (same values).
+    carries = not state.carries_nothing()
     pre = x_norm @ w_in.t().to(dtype)
-    pre = pre + _carried(x_norm, state.delta_in, state.mom_in, q_delta, q_mom)
+    if carries:
+        pre = pre + _carried(x_norm, state.delta_in, state.mom_in, q_delta, q_mom)
     pre = pre + ((x_norm @ inputs.transpose(1, 2).to(dtype)) * q_coef) @ back.to(dtype)
     act = F.gelu(pre)
     out = act @ w_out.t().to(dtype)
-    out = out + _carried(act, state.delta_out, state.mom_out, q_delta, q_mom)
+    if carries:
+        out = out + _carried(act, state.delta_out, state.mom_out, q_delta, q_mom)
     out = out + ((act @ hidden.transpose(1, 2).to(dtype)) * q_coef) @ teach.to(dtype)
     return out, new_state
 
@@ -297,7 +304,11 @@ def _final_state(
     """Δ and m after the call from their source coefficients: carried terms plus
     Σ_t c_(i(t)) u_t a_tᵀ (W_in) and Σ_t c_(i(t)) δ_t h_tᵀ (W_out)."""
 
+    fresh = state.carries_nothing()
+
     def combine(coef: Tensor, delta0: Tensor, mom0: Tensor | None, g: Tensor) -> Tensor:
+        if fresh:  # c·0 terms; the dtype the sum would have had
+            return g.to(torch.promote_types(torch.promote_types(coef.dtype, delta0.dtype), g.dtype))
         out = coef[:, 0, None, None] * delta0 + g
         return out if mom0 is None else out + coef[:, 1, None, None] * mom0
 
