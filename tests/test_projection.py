@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from hope.bench import flops
 from hope.bench import projection as p
 from hope.bench import run as bench_run
 from hope.bench.shapes import preset_read_forms
@@ -102,6 +103,25 @@ def test_memory_bound_step_uses_bandwidth() -> None:
     row = p.project_step(cfg, 16, 1, launches=0, params=10**10)  # huge optimizer traffic
     h100 = row["devices"]["H100"]
     assert h100["floor_ms"] == pytest.approx(row["bytes"] / 3.35e12 * 1e3)
+
+
+def test_step_spends_the_executed_work_and_is_compared_with_the_useful() -> None:
+    """The projected step pays the FLOPs its forms execute (the CMS dual read's [T, F]
+    scores included); its floor and MFU count the useful work only. At the pilot
+    preset the dual read more than doubles hope_attention's matmul work."""
+    cfg = p.preset_model("pilot", "hope_attention")
+    row = p.project_step(cfg, 4096, 1, launches=1000, params=1)
+    per_token = flops.executed_training_flops_per_token(cfg, 4096)
+    assert row["executed_flops"] == pytest.approx(per_token * 4096)
+    assert row["executed_flops"] > 2 * row["flops"]
+    h200 = row["devices"]["H200"]
+    assert h200["floor_ms"] == pytest.approx(row["flops"] / (989e12 * p.ACHIEVABLE) * 1e3)
+    assert h200["work_ms"] == pytest.approx(row["executed_flops"] / (989e12 * p.ACHIEVABLE) * 1e3)
+    assert h200["graph_ms"] == pytest.approx(h200["work_ms"] + 1000 * p.GRAPH_LAUNCH_S * 1e3)
+    assert h200["graph_over_floor"] == pytest.approx(h200["graph_ms"] / h200["floor_ms"])
+    assert h200["mfu_graph"] == pytest.approx(row["flops"] / (h200["graph_ms"] / 1e3 * 989e12))
+    plain = p.project_step(p.preset_model("pilot", "transformer"), 4096, 1, 1000, params=1)
+    assert plain["executed_flops"] == plain["flops"]
 
 
 def test_bench_report_holds_the_projection(tmp_path: Path) -> None:

@@ -36,12 +36,20 @@ backprop through in-graph memory writes ≈ +30% of the memory's training cost
 (MECHANISMS §8.4; SMT and Titans memories unless ``write_grad=stopgrad``), and for
 the HOPE variants with ``cms_mode`` teach_pass or exact_online, pass A (forward +
 backward to the level outputs only) ≈ 2× forward.
+
+Executed work beyond that (``executed_training_flops_per_token``, the compute term of
+``hope.bench.projection``): the CMS dual read's [T, F] score products
+(``cms_dual_read_flops``), which grow with the context and which the useful count leaves
+out. MFU stays on the useful count.
 """
 
 from __future__ import annotations
 
 from hope.layers import swiglu_hidden
+from hope.memory.cms import prefers_dual_read
+from hope.memory.cms_chain import split_hidden
 from hope.model.config import ModelConfig
+from hope.optim.inner import make_inner_rule
 
 # Dense (non-sparse) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets.
 # Matched by substring of the CUDA device name, first match wins (so "H100 PCIe"
@@ -128,6 +136,45 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.variant in ("hope", "hope_attention") and cfg.cms_mode != "static":
         total += PASS_A_MULTIPLIER * forward
     return total
+
+
+def cms_dual_read_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Per token, one layer, one training step: the matmul work of the CMS dual read
+    (``teach_pass`` pass B, ``hope.memory.ops.cms_dual``) over its [T, F] score matrices,
+    F = a level's fired tokens (whole periods of a fresh row's T). For each level that
+    reads in the dual form (its automatic choice, ``prefers_dual_read``):
+
+    - the read: scores q·a_t and q·h_t against all F written tokens and their values
+      (2F(d + h) each side): 4F(d + h), and as much again in backward to the queries;
+    - the chunk scan's key and teach score matrices over all T rows: 4Fd;
+    - the scan's block-causal products (chunk j against the chunks before it, and
+      through it): 2h·F²/T.
+
+    This is the work of the form, not of the model (the materialised form reads each
+    token once through its chunk's weights), so MFU leaves it out. Counted with
+    torch.utils.flop_counter in tests/test_flops.py: the second difference over the
+    context of a whole HOPE step equals this term's."""
+    if cfg.variant not in ("hope", "hope_attention") or cfg.cms_mode != "teach_pass":
+        return 0.0
+    cms = cfg.cms_config()
+    rule = make_inner_rule(cms.rule, cms.lr, cms.retention, cms.momentum, cms.erase,
+                           cms.momentum_width)  # fmt: skip
+    if not rule.linear or cms.adaptive_lr:
+        return 0.0
+    d, total = cms.dim, 0.0
+    for period, hidden in zip(cms.periods, split_hidden(cms.hidden, len(cms.periods)), strict=True):
+        n_fire = seq_len // period
+        if n_fire and prefers_dual_read(period, n_fire, hidden, d):
+            fired = n_fire * period
+            total += fired * (8 * (d + hidden) + 4 * d) + 2 * hidden * fired * fired / seq_len
+    return total
+
+
+def executed_training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """``training_flops_per_token`` plus the work of the implementation's forms that
+    the useful count leaves out (the CMS dual read)."""
+    extra = cfg.n_layers * cms_dual_read_flops(cfg, seq_len)
+    return training_flops_per_token(cfg, seq_len) + extra
 
 
 def peak_bf16_flops(device_name: str | None) -> float | None:

@@ -5,8 +5,12 @@ whichever is larger, plus the host time of launching its kernels:
 
     step ≈ max(FLOPs ÷ (peak · ACHIEVABLE), bytes ÷ bandwidth) + launches · launch cost
 
-- FLOPs: :func:`hope.bench.flops.training_flops_per_token` (matmul work) at the
-  preset's dims, times the tokens of one micro-batch.
+- FLOPs: :func:`hope.bench.flops.executed_training_flops_per_token` (matmul work,
+  with what the CMS dual read spends on its [T, F] scores) at the preset's dims,
+  times the tokens of one micro-batch. The floor the step is compared with
+  (``floor_ms``, ``*_over_floor``) and MFU take the useful work alone
+  (:func:`hope.bench.flops.training_flops_per_token`): the floor is what the model
+  needs, the step what the code spends.
 - bytes, a lower bound: the optimizer's traffic per parameter (bf16 weights read
   in forward and backward, fp32 gradients written and read, AdamW's fp32 weight and
   two moments read and written: 36 bytes) plus every layer's activations written
@@ -164,23 +168,29 @@ def project_step(
     """Projected step of ``batch`` sequences on each device in ``DEVICES``."""
     tokens = batch * seq_len
     step_flops = flops.training_flops_per_token(cfg, seq_len) * tokens
+    executed = flops.executed_training_flops_per_token(cfg, seq_len) * tokens
     activation_bytes = ACTIVATION_BYTES_PER_TOKEN * cfg.dim * cfg.n_layers * tokens
     step_bytes = OPTIMIZER_BYTES_PER_PARAM * params + activation_bytes
     devices = {}
     for name, (peak, bandwidth) in DEVICES.items():
+        # floor: the useful work alone; work: what the step's forms execute
         floor = max(step_flops / (peak * ACHIEVABLE), step_bytes / bandwidth)
-        eager, graph = floor + launches * EAGER_LAUNCH_S, floor + launches * GRAPH_LAUNCH_S
+        work = max(executed / (peak * ACHIEVABLE), step_bytes / bandwidth)
+        eager, graph = work + launches * EAGER_LAUNCH_S, work + launches * GRAPH_LAUNCH_S
         devices[name] = {
             "floor_ms": floor * 1e3,
+            "work_ms": work * 1e3,
             "eager_ms": eager * 1e3,
             "graph_ms": graph * 1e3,
             "eager_over_floor": eager / floor,
+            "graph_over_floor": graph / floor,
             "mfu_eager": step_flops / (eager * peak),
             "mfu_graph": step_flops / (graph * peak),
         }
     return {
         "tokens": tokens,
         "flops": step_flops,
+        "executed_flops": executed,
         "bytes": step_bytes,
         "launches": launches,
         "devices": devices,

@@ -216,6 +216,11 @@ def _carried(
     return out
 
 
+def _widened(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` in the wider of its dtype and ``dtype`` (a no-op outside autocast)."""
+    return x.to(torch.promote_types(x.dtype, dtype))
+
+
 def _scan_factors(
     w_in: Tensor,
     w_out: Tensor,
@@ -231,8 +236,11 @@ def _scan_factors(
     inputs = layout.inputs.reshape(batch, -1, dim)
     teach = layout.teach.reshape(batch, -1, dim)
     c_delta, c_mom = carried
-    pre_0 = inputs @ w_in.t()
-    back_0 = teach @ w_out
+    # The dtype the carried terms' sum has (under autocast a bf16 matmul plus fp32
+    # terms is fp32), also when a fresh state's zero terms are left out.
+    wide = torch.promote_types(c_delta.dtype, inputs.dtype)
+    pre_0 = _widened(inputs @ w_in.t(), wide)
+    back_0 = _widened(teach @ w_out, wide)
     if not state.carries_nothing():
         pre_0 = pre_0 + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
         # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
@@ -279,12 +287,13 @@ def dual_teach_read(
     q_delta, q_mom = (c[:, queries].to(dtype) for c in carried)
     # A fresh state's carried Δ_0, m_0 are zeros: their terms are left out (same values).
     carries = not state.carries_nothing()
-    pre = x_norm @ w_in.t().to(dtype)
+    wide = torch.promote_types(q_delta.dtype, dtype)  # the carried sum's dtype (see above)
+    pre = _widened(x_norm @ w_in.t().to(dtype), wide)
     if carries:
         pre = pre + _carried(x_norm, state.delta_in, state.mom_in, q_delta, q_mom)
     pre = pre + ((x_norm @ inputs.transpose(1, 2).to(dtype)) * q_coef) @ back.to(dtype)
     act = F.gelu(pre)
-    out = act @ w_out.t().to(dtype)
+    out = _widened(act @ w_out.t().to(dtype), torch.promote_types(q_delta.dtype, act.dtype))
     if carries:
         out = out + _carried(act, state.delta_out, state.mom_out, q_delta, q_mom)
     out = out + ((act @ hidden.transpose(1, 2).to(dtype)) * q_coef) @ teach.to(dtype)

@@ -1,0 +1,70 @@
+"""The executed-work term of the FLOP estimate (``hope.bench.flops``) against torch's
+FLOP counter, on the meta device (shapes only, no arithmetic)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hope.bench import flops
+from hope.bench.shapes import preset_read_forms
+from hope.model.config import ModelConfig
+from hope.model.zoo import build_model
+
+# A HOPE layer whose fast CMS level reads in the dual form and whose slow level in the
+# materialised one at every length below (h·d = 8·32: n_fire·2² <= 256 < n_fire·16²).
+CFG = ModelConfig(
+    variant="hope", dim=32, n_heads=2, n_layers=1, vocab_size=64, mlp_ratio=0.5,
+    cms_periods=[2, 16], smt_chunk=4, smt_mem_chunk=4,
+)  # fmt: skip
+LENGTHS = (32, 64, 96)
+
+
+def counted_flops(cfg: ModelConfig, seq_len: int) -> int:
+    """Matmul FLOPs of one training step's forward and backward, one row."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.train()
+    tokens = torch.zeros(1, seq_len + 1, dtype=torch.long, device="meta")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model.training_loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    return counter.get_total_flops()
+
+
+def second_difference(values: list[float]) -> float:
+    """f(3s) - 2 f(2s) + f(s): zero for every term of f that is affine in T."""
+    return values[2] - 2 * values[1] + values[0]
+
+
+@pytest.mark.parametrize("mode", ["teach_pass", "exact_online"])
+def test_dual_read_term_is_the_counted_growth_with_the_context(mode: str) -> None:
+    """Everything in a HOPE step but the CMS dual read is affine in the context (chunk
+    loops, per-token matmuls; the materialised read included), so the counted step's
+    second difference over T, 2T, 3T is the dual read's alone: it equals the
+    formula's, to the FLOP. exact_online has no dual read: both are zero."""
+    cfg = dataclasses.replace(CFG, cms_mode=mode)  # type: ignore[arg-type]
+    for length in LENGTHS:
+        assert preset_read_forms(cfg, length) == ["dual", "materialized"]
+    counted = [float(counted_flops(cfg, length)) for length in LENGTHS]
+    formula = [flops.cms_dual_read_flops(cfg, length) * length for length in LENGTHS]
+    assert second_difference(counted) == pytest.approx(second_difference(formula), rel=1e-12)
+    if mode == "teach_pass":
+        assert formula[2] > 0.05 * counted[2]  # a term worth counting
+    else:
+        assert second_difference(counted) == 0 and formula == [0.0, 0.0, 0.0]
+
+
+def test_executed_flops_add_the_dual_read_per_layer() -> None:
+    cfg = dataclasses.replace(CFG, n_layers=3)
+    useful = flops.training_flops_per_token(cfg, 64)
+    executed = flops.executed_training_flops_per_token(cfg, 64)
+    assert executed == pytest.approx(useful + 3 * flops.cms_dual_read_flops(cfg, 64))
+    transformer = dataclasses.replace(cfg, variant="transformer")
+    assert flops.executed_training_flops_per_token(transformer, 64) == (
+        flops.training_flops_per_token(transformer, 64)
+    )
