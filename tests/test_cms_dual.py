@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils.flop_counter
 
 from conftest import F64
 from conftest import rand64 as rand
@@ -132,6 +133,42 @@ def test_known_zero_marks_do_not_survive_a_write() -> None:
     assert not is_known_zero(torch.zeros(2, 3, dtype=F64))  # zeros, but not marked
     zeros[0].add_(1.0)  # in place, through a view
     assert not is_known_zero(zeros)
+
+
+@pytest.mark.parametrize("prefix", (0, 2))
+@pytest.mark.parametrize("rule", sorted(LINEAR_RULES))
+def test_blocked_dual_read_equals_one_call(rule: str, prefix: int) -> None:
+    """read_block: a 20-token call read in blocks of 6 (whole periods of 3, the first
+    short by the pending tokens) equals the one-call dual read and the materialised
+    read (outputs, gradients, written state), with surprise gates; each block scores
+    only its own written tokens, so the blocked read launches more but multiplies
+    fewer [T, F] elements."""
+    runs = []
+    for form, block in (("dual", 6), ("dual", 0), ("materialized", 6)):
+        torch.manual_seed(0)
+        level = CMSLevel(DIM, HIDDEN, 3, LINEAR_RULES[rule](), init_std=0.4, read_form=form,
+                         read_block=block, surprise_threshold=1.2).to(F64)  # fmt: skip
+        assert level._read_blocks(20, prefix) == (
+            [slice(0, 6 - prefix), *(slice(a, min(a + 6, 20)) for a in range(6 - prefix, 20, 6))]
+            if form == "dual" and block
+            else [slice(0, 20)]
+        )
+        teach = rand(2, 20, DIM, seed=2)
+        teach[0, 4:7] *= 0.01  # a closed gate
+        runs.append(run(level, rand(2, 20, DIM), teach, prefix))
+    assert_same(runs[0], runs[1])
+    assert_same(runs[0], runs[2])
+
+
+def test_blocked_dual_read_multiplies_less() -> None:
+    flops = []
+    for block in (0, 6):
+        torch.manual_seed(0)
+        level = CMSLevel(DIM, HIDDEN, 3, GDRule(0.2), read_form="dual", read_block=block).to(F64)
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            run(level, rand(2, 48, DIM), rand(2, 48, DIM, seed=2), 0)
+        flops.append(counter.get_total_flops())
+    assert flops[1] < 0.6 * flops[0]
 
 
 def test_dual_read_with_surprise_gates_and_a_pending_chunk() -> None:

@@ -200,6 +200,7 @@ BAD_VALUES = [
     ("model.smt_chunk=0", "smt_chunk"),
     ("model.smt_mem_chunk=24", "smt_mem_chunk"),
     ("model.titans_depth=0", "titans_depth"),
+    ("model.cms_read_block=-1", "model.cms_read_block"),
     ("model.variant=titan", "model.variant"),
     ("model.cms_rule=adam", "model.cms_rule"),
     ("optim.lr=-1", "optim.lr"),

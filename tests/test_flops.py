@@ -15,10 +15,11 @@ from hope.model.config import ModelConfig
 from hope.model.zoo import build_model
 
 # A HOPE layer whose fast CMS level reads in the dual form and whose slow level in the
-# materialised one at every length below (h·d = 8·32: n_fire·2² <= 256 < n_fire·16²).
+# materialised one at every length below (h·d = 8·32: n_fire·2² <= 256 < n_fire·16²),
+# each in one block.
 CFG = ModelConfig(
     variant="hope", dim=32, n_heads=2, n_layers=1, vocab_size=64, mlp_ratio=0.5,
-    cms_periods=[2, 16], smt_chunk=4, smt_mem_chunk=4,
+    cms_periods=[2, 16], smt_chunk=4, smt_mem_chunk=4, cms_read_block=0,
 )  # fmt: skip
 LENGTHS = (32, 64, 96)
 
@@ -57,6 +58,23 @@ def test_dual_read_term_is_the_counted_growth_with_the_context(mode: str) -> Non
         assert formula[2] > 0.05 * counted[2]  # a term worth counting
     else:
         assert second_difference(counted) == 0 and formula == [0.0, 0.0, 0.0]
+
+
+RULES = [{"cms_rule": "gd"}, {"cms_rule": "momentum", "cms_momentum": 0.5}]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_blocked_dual_read_term_is_the_counted_difference(rule: dict[str, object]) -> None:
+    """``cms_read_block``: the counted step with the dual read in blocks of 8 tokens
+    differs from the one-block step by exactly the formula's difference (the blocks'
+    smaller score matrices, and the carried Δ and momentum read after the first)."""
+    cfg = dataclasses.replace(CFG, cms_periods=[2, 4], **rule)  # type: ignore[arg-type]
+    blocked = dataclasses.replace(cfg, cms_read_block=8)
+    assert preset_read_forms(cfg, 64) == preset_read_forms(blocked, 8) == ["dual", "dual"]
+    counted = counted_flops(blocked, 64) - counted_flops(cfg, 64)
+    formula = flops.cms_dual_read_flops(blocked, 64) - flops.cms_dual_read_flops(cfg, 64)
+    assert counted == pytest.approx(64 * formula, rel=1e-12)
+    assert counted < 0
 
 
 def test_executed_flops_add_the_dual_read_per_layer() -> None:

@@ -108,12 +108,13 @@ def test_memory_bound_step_uses_bandwidth() -> None:
 def test_step_spends_the_executed_work_and_is_compared_with_the_useful() -> None:
     """The projected step pays the FLOPs its forms execute (the CMS dual read's [T, F]
     scores included); its floor and MFU count the useful work only. At the pilot
-    preset the dual read more than doubles hope_attention's matmul work."""
+    preset the dual read (in blocks of 1,024 tokens) adds over half of
+    hope_attention's matmul work again."""
     cfg = p.preset_model("pilot", "hope_attention")
     row = p.project_step(cfg, 4096, 1, launches=1000, params=1)
     per_token = flops.executed_training_flops_per_token(cfg, 4096)
     assert row["executed_flops"] == pytest.approx(per_token * 4096)
-    assert row["executed_flops"] > 2 * row["flops"]
+    assert row["executed_flops"] > 1.5 * row["flops"]
     h200 = row["devices"]["H200"]
     assert h200["floor_ms"] == pytest.approx(row["flops"] / (989e12 * p.ACHIEVABLE) * 1e3)
     assert h200["work_ms"] == pytest.approx(row["executed_flops"] / (989e12 * p.ACHIEVABLE) * 1e3)

@@ -233,6 +233,10 @@ def _validate(cfg: Config) -> None:
         ),
         (m.titans_depth >= 1, f"model.titans_depth={m.titans_depth} must be >= 1"),
         (
+            m.cms_read_block >= 0,
+            f"model.cms_read_block={m.cms_read_block} must be >= 0 (0: one block per call)",
+        ),
+        (
             cfg.optim.name != "m3" or m.final_norm,
             "optim.name=m3 needs model.final_norm=true: M3's step scales like 1/|g| and "
             "without the final norm it diverges (tiny transformer: val loss 65 vs 5.8; "

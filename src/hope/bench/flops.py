@@ -46,7 +46,7 @@ out. MFU stays on the useful count.
 from __future__ import annotations
 
 from hope.layers import swiglu_hidden
-from hope.memory.cms import prefers_dual_read
+from hope.memory.cms import dual_read_blocks, level_read_block, prefers_dual_read
 from hope.memory.cms_chain import split_hidden
 from hope.model.config import ModelConfig
 from hope.optim.inner import make_inner_rule
@@ -140,20 +140,24 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def cms_dual_read_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Per token, one layer, one training step: the matmul work of the CMS dual read
-    (``teach_pass`` pass B, ``hope.memory.ops.cms_dual``) over its [T, F] score matrices,
-    F = a level's fired tokens (whole periods of a fresh row's T). For each level that
-    reads in the dual form (its automatic choice, ``prefers_dual_read``):
+    (``teach_pass`` pass B, ``hope.memory.ops.cms_dual``) beyond the useful read. A
+    fresh row's T tokens are read in blocks of ``cms_read_block`` (per level, whole
+    periods; ``dual_read_blocks``); a block of L tokens with F written (whole periods)
+    that reads in the dual form (its automatic choice, ``prefers_dual_read``) spends:
 
-    - the read: scores q·a_t and q·h_t against all F written tokens and their values
-      (2F(d + h) each side): 4F(d + h), and as much again in backward to the queries;
-    - the chunk scan's key and teach score matrices over all T rows: 4Fd;
+    - its read's scores q·a_t and q·h_t against the F written tokens and their values
+      (2F(d + h) per query each side): 4LF(d + h), and as much again in backward to
+      the queries;
+    - the chunk scan's key and teach score matrices over the block's rows: 4LFd;
     - the scan's block-causal products (chunk j against the chunks before it, and
-      through it): 2h·F²/T.
+      through it): 2hF²;
+    - after the first block, the read through the Δ (and momentum) carried into it:
+      z Δᵀ in the scan's two factors and the read's two layers, and the read's two in
+      backward, 12·L·d·h per carried matrix.
 
-    This is the work of the form, not of the model (the materialised form reads each
-    token once through its chunk's weights), so MFU leaves it out. Counted with
-    torch.utils.flop_counter in tests/test_flops.py: the second difference over the
-    context of a whole HOPE step equals this term's."""
+    The work of the form, not of the model (the materialised form reads each token
+    once through its chunk's weights), so MFU leaves it out. Exact against
+    torch.utils.flop_counter (tests/test_flops.py)."""
     if cfg.variant not in ("hope", "hope_attention") or cfg.cms_mode != "teach_pass":
         return 0.0
     cms = cfg.cms_config()
@@ -161,13 +165,20 @@ def cms_dual_read_flops(cfg: ModelConfig, seq_len: int) -> float:
                            cms.momentum_width)  # fmt: skip
     if not rule.linear or cms.adaptive_lr:
         return 0.0
+    carried_matrices = 2 if rule.uses_momentum else 1
     d, total = cms.dim, 0.0
     for period, hidden in zip(cms.periods, split_hidden(cms.hidden, len(cms.periods)), strict=True):
-        n_fire = seq_len // period
-        if n_fire and prefers_dual_read(period, n_fire, hidden, d):
+        size = level_read_block(cms.read_block, period)
+        for index, block in enumerate(dual_read_blocks(seq_len, 0, size)):
+            length = block.stop - block.start
+            n_fire = length // period
+            if not n_fire or not prefers_dual_read(period, n_fire, hidden, d):
+                continue
             fired = n_fire * period
-            total += fired * (8 * (d + hidden) + 4 * d) + 2 * hidden * fired * fired / seq_len
-    return total
+            total += length * fired * (8 * (d + hidden) + 4 * d) + 2 * hidden * fired * fired
+            if index:
+                total += 12 * length * d * hidden * carried_matrices
+    return total / seq_len
 
 
 def executed_training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -60,6 +60,7 @@ class CMSLevel(nn.Module):
         init_std: float = 0.02,
         read_form: ReadForm = "auto",
         adaptive_lr: bool = False,
+        read_block: int = 0,
     ) -> None:
         super().__init__()
         if period < 1 or hidden < 1:
@@ -77,6 +78,9 @@ class CMSLevel(nn.Module):
         if read_form == "dual" and adaptive_lr:
             raise ValueError("CMSLevel: the dual read has no graph through Δ; adaptive_lr needs it")
         self.read_form = read_form
+        if read_block < 0:
+            raise ValueError(f"CMSLevel: read_block must be >= 0, got {read_block}")
+        self.read_block = level_read_block(read_block, period)
         self.w_in = nn.Parameter(torch.randn(hidden, dim) * init_std)
         self.w_out = nn.Parameter(torch.randn(dim, hidden) * init_std)
         # Data-dependent learning rate η_t = η · 2σ(w·a_t + b) (NL eq. 31's η_t^(ℓ));
@@ -310,7 +314,44 @@ class CMSLevel(nn.Module):
     ) -> tuple[Tensor, LevelState]:
         """Pass B of ``teach_pass``: the read through θ0 + sg(Δ_n) per chunk, Δ_n built
         from (x_norm, δ), and the written state. Two forms with the same values: the
-        dual read (``cms_dual``) or per-chunk weight stacks then one batched read."""
+        dual read (``cms_dual``) or per-chunk weight stacks then one batched read.
+
+        A call longer than ``read_block`` tokens that may read dually is read as that
+        many calls of one block each, the state carried between them (ending each block
+        on a period boundary): a block's dual read scores only its own written tokens
+        and reads the earlier ones through Δ at its start. The same values (the chunks
+        and the Δ in force at each are the same; float64 tests); its score work grows
+        with the block, not the call."""
+        blocks = self._read_blocks(x_norm.shape[1], state.pending)
+        if len(blocks) == 1:
+            return self._teach_call(x_norm, teach, state, token_loss, token_entropy)
+        outs = []
+        for piece in blocks:
+            out, state = self._teach_call(
+                x_norm[:, piece], teach[:, piece], state,
+                None if token_loss is None else token_loss[:, piece],
+                None if token_entropy is None else token_entropy[:, piece],
+            )  # fmt: skip
+            outs.append(out)
+        return torch.cat(outs, dim=1), state
+
+    def _read_blocks(self, length: int, pending: int) -> list[slice]:
+        """The call's tokens in dual-read blocks: each but the last ends on a multiple of
+        ``read_block`` from the first pending token (one block when the level cannot
+        read dually or the call fits)."""
+        dual_possible = self.rule.linear and not self.adaptive_lr
+        if self.read_form == "materialized" or not dual_possible:
+            return [slice(0, length)]
+        return dual_read_blocks(length, pending, self.read_block)
+
+    def _teach_call(
+        self,
+        x_norm: Tensor,
+        teach: Tensor,
+        state: LevelState,
+        token_loss: Tensor | None,
+        token_entropy: Tensor | None,
+    ) -> tuple[Tensor, LevelState]:
         layout = self._layout(x_norm, teach, state, token_loss, token_entropy)
         if not self.uses_dual_read(layout):
             deltas, new_state = self._materialised(layout, state)
@@ -320,6 +361,22 @@ class CMSLevel(nn.Module):
         )
         final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
         return out, self._advance(final, layout)
+
+
+def level_read_block(read_block: int, period: int) -> int:
+    """A level's dual-read block: ``read_block`` tokens rounded down to whole periods,
+    at least one; 0 (the whole call) stays 0."""
+    return max(period, read_block // period * period) if read_block else 0
+
+
+def dual_read_blocks(length: int, pending: int, size: int) -> list[slice]:
+    """A call of ``length`` tokens after ``pending`` buffered ones in blocks of ``size``
+    (0: one block): every block but the last ends on a multiple of ``size`` counted
+    from the first pending token."""
+    if not size:
+        return [slice(0, length)]
+    cuts = list(range(size - pending, length, size))
+    return [slice(a, b) for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
 
 
 def prefers_dual_read(chunk: int, n_fire: int, hidden: int, dim: int) -> bool:

@@ -86,6 +86,7 @@ class CMS(nn.Module):
             init_std=cfg.init_std,
             adaptive_lr=cfg.adaptive_lr,
             layout=cfg.layout,
+            read_block=cfg.read_block,
         )
 
     def init_state(

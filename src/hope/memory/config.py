@@ -43,6 +43,7 @@ class CMSConfig:
     momentum_width: int  # deep_momentum's hidden width
     adaptive_lr: bool  # η_t = lr·2σ(w·a_t + b) per token (eq. 31)
     layout: CMSLayout
+    read_block: int  # tokens per block of the dual read (0: the whole call)
     norm_eps: float
     init_std: float
     surprise_threshold: float | None

@@ -89,6 +89,12 @@ class ModelConfig:
     # level reads the block input and their outputs are summed (NL-arXiv's
     # independent CMS; docs/FAITHFULNESS.md).
     cms_layout: CMSLayout = "chain"
+    # Tokens per block of the dual CMS read (MECHANISMS §8.3b): a long call reads in
+    # blocks of this many tokens (per level rounded down to whole periods), each block
+    # scoring only its own written tokens and reading the earlier ones through Δ at its
+    # start. The same values; its [T, F] score work grows with the block instead of the
+    # call (bench/flops.py::cms_dual_read_flops). 0: one block per call.
+    cms_read_block: int = 1024
 
     # Self-modifying Titans (NL-arXiv eqs. ~83-97): chunk sizes C_o and C_m.
     # Tiny uses C_o = C_m = 16 (Python-level chunk loop cost on CPU); the paper-scale
@@ -196,6 +202,7 @@ class ModelConfig:
             momentum_width=self.cms_momentum_width,
             adaptive_lr=self.cms_adaptive_lr,
             layout=self.cms_layout,
+            read_block=self.cms_read_block,
             norm_eps=self.norm_eps,
             init_std=self.init_std,
             surprise_threshold=self.surprise_threshold,
