@@ -71,12 +71,32 @@ def test_counts_are_made_once_per_narrow_model_context_forms_and_backend(
 
 
 def test_read_forms_are_the_ones_the_preset_widths_choose() -> None:
-    """n_fire·C² <= h·d at the preset's context: pilot reads every level in the dual
-    form; mid's 1024-token level (h = d = 1536) is materialised; target's sits on the
+    """n_fire·C² <= h·d per read block (1,024 tokens) of the preset's context: every
+    level of every preset reads in the dual form; in one block of 4,096 tokens mid's
+    1024-token level (h = d = 1536) would be materialised, and target's sits on the
     boundary (4·1024² = 2048·2048) and reads dual."""
     assert preset_read_forms(p.preset_model("pilot", "hope"), 4096) == ["dual"] * 3
-    assert preset_read_forms(p.preset_model("mid", "hope"), 4096) == ["dual"] * 3 + ["materialized"]
+    assert preset_read_forms(p.preset_model("mid", "hope"), 4096) == ["dual"] * 4
     assert preset_read_forms(p.preset_model("target", "hope"), 4096) == ["dual"] * 4
+    one_block = dataclasses.replace(p.preset_model("mid", "hope"), cms_read_block=0)
+    assert preset_read_forms(one_block, 4096) == ["dual"] * 3 + ["materialized"]
+    target = dataclasses.replace(p.preset_model("target", "hope"), cms_read_block=0)
+    assert preset_read_forms(target, 4096) == ["dual"] * 4
+
+
+def test_launch_fit_counts_whole_read_blocks() -> None:
+    """A context of several CMS read blocks: the counts are made at whole blocks (the
+    first block, with nothing carried, launches fewer), and the fit predicts a direct
+    count at five blocks exactly."""
+    cfg = ModelConfig(variant="hope_attention", cms_read_block=8, **SMALL_CHUNKS)  # type: ignore[arg-type]
+    assert p.counting_lengths(cfg, 40) == (16, 32) and p.counting_lengths(cfg, 8) == (16, 32)
+    wide_block = dataclasses.replace(cfg, cms_read_block=24)
+    assert p.counting_lengths(wide_block, 48) == (24, 48)
+    fit = p.fit_launches(cfg, 40)
+    forms = preset_read_forms(cfg, 40)
+    assert fit.predict(2, 40) == p.count_step_launches(cfg, 40, 2, forms)
+    unblocked = p.fit_launches(dataclasses.replace(cfg, cms_read_block=0), 40)
+    assert fit.layer_per_token > unblocked.layer_per_token  # a block's launches
 
 
 def test_step_projection_arithmetic() -> None:

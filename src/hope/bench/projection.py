@@ -44,7 +44,7 @@ import torch
 
 from hope.bench import flops
 from hope.bench.measure import LaunchCounter
-from hope.bench.shapes import apply_read_forms, preset_read_forms
+from hope.bench.shapes import apply_read_forms, preset_read_forms, read_blocks_within
 from hope.config import Config, OptimConfig, load_config
 from hope.memory.ops.dispatch import resolve_backend
 from hope.model.config import ModelConfig
@@ -94,12 +94,16 @@ class LaunchFit:
         return round(self.base + self.base_per_token * seq_len + n_layers * per_layer)
 
 
-def counting_lengths(cfg: ModelConfig) -> tuple[int, int]:
+def counting_lengths(cfg: ModelConfig, seq_len: int = 0) -> tuple[int, int]:
     """(T1, 2·T1): T1 the smallest multiple of every chunk and period of ``cfg`` that
     holds at least four memory chunks. The first chunks of a memory launch fewer
     kernels (a Titans memory starts from its expanded meta parameters with zero
-    momentum: its first three chunks differ), so the counts start past them."""
+    momentum: its first three chunks differ), so the counts start past them. When the
+    context ``seq_len`` holds several CMS read blocks (``cms_read_block``), T1 is a
+    multiple of those blocks too: a block's launches repeat per block (the first,
+    with nothing carried, launches fewer), so whole blocks keep the count affine."""
     sizes = [*cfg.cms_periods, cfg.smt_chunk, cfg.smt_mem_chunk, cfg.titans_chunk]
+    sizes += read_blocks_within(cfg, seq_len)
     unit = math.lcm(*sizes)
     chunk = max(cfg.smt_chunk, cfg.smt_mem_chunk, cfg.titans_chunk)
     first = unit * -(-4 * chunk // unit)
@@ -145,7 +149,7 @@ def fit_launches(cfg: ModelConfig, seq_len: int) -> LaunchFit:
     """The affine launch model of ``cfg`` from four counts at its counting lengths, with
     the CMS read forms the preset's widths choose at ``seq_len``."""
     forms = preset_read_forms(cfg, seq_len)
-    short, long = counting_lengths(cfg)
+    short, long = counting_lengths(cfg, seq_len)
     counts = {
         (layers, length): count_step_launches(cfg, length, layers, forms)
         for layers in (1, 2)

@@ -30,7 +30,7 @@ from torch import nn
 
 from hope.config import Config, load_config
 from hope.errors import ConfigError
-from hope.memory.cms import CMSLevel, prefers_dual_read
+from hope.memory.cms import CMSLevel, level_read_block, prefers_dual_read
 from hope.memory.cms_chain import CMS, split_hidden
 from hope.model.config import ModelConfig
 
@@ -104,12 +104,23 @@ class Shape:
 
 def preset_read_forms(cfg: ModelConfig, seq_len: int) -> list[str]:
     """Per CMS level, the read form a model of ``cfg``'s widths chooses at ``seq_len``
-    (``prefers_dual_read``: the choice depends on the widths, the launches on it)."""
+    (``prefers_dual_read``: the choice depends on the widths, the launches on it), for
+    a whole block of ``cms_read_block`` tokens when the context holds more."""
     hiddens = split_hidden(int(round(cfg.mlp_ratio * cfg.dim)), len(cfg.cms_periods))
-    return [
-        "dual" if prefers_dual_read(period, seq_len // period, hidden, cfg.dim) else "materialized"
-        for period, hidden in zip(cfg.cms_periods, hiddens, strict=True)
-    ]
+    forms = []
+    for period, hidden in zip(cfg.cms_periods, hiddens, strict=True):
+        block = level_read_block(cfg.cms_read_block, period)
+        length = min(seq_len, block) if block else seq_len
+        dual = prefers_dual_read(period, length // period, hidden, cfg.dim)
+        forms.append("dual" if dual else "materialized")
+    return forms
+
+
+def read_blocks_within(cfg: ModelConfig, seq_len: int) -> list[int]:
+    """The CMS levels' dual-read blocks shorter than ``seq_len`` (a context of several
+    blocks)."""
+    blocks = (level_read_block(cfg.cms_read_block, period) for period in cfg.cms_periods)
+    return [block for block in blocks if 0 < block < seq_len]
 
 
 def apply_read_forms(model: nn.Module, forms: Sequence[str]) -> None:
