@@ -206,6 +206,11 @@ def preset_model(preset: str, variant: str) -> ModelConfig:
     return cfg.model
 
 
+def preset_seq_len(preset: str) -> int:
+    """The context length ``data.seq_len`` of ``preset``."""
+    return load_config(None, [f"preset={preset}"]).data.seq_len
+
+
 def count_parameters(cfg: ModelConfig) -> int:
     """Parameters of ``cfg`` without allocating them (meta device)."""
     with torch.device("meta"):
@@ -218,7 +223,7 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
     (``MICRO_BATCH`` sequences) and, for the pilot preset, the bench's ``pilot`` shape
     and HOPE with the frozen-base reads of the bench's ``pilot_frozen`` shape."""
     cfg = preset_model(preset, variant)
-    seq_len = load_config(None, [f"preset={preset}"]).data.seq_len
+    seq_len = preset_seq_len(preset)
     fit = fit_launches(cfg, seq_len)
     launches = fit.predict(cfg.n_layers, seq_len)
     row: dict[str, Any] = {

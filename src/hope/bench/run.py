@@ -41,7 +41,7 @@ from hope.bench import flops, projection
 from hope.bench import measure as m
 from hope.bench.report_files import split_report
 from hope.bench.shapes import apply_read_forms, bench_shape
-from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict, load_config
+from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
 from hope.io import write_metrics
 from hope.memory.ops.dispatch import resolve_backend, set_default_backend
@@ -318,8 +318,7 @@ def _project(
 def _counting_cost(job: tuple[str, str]) -> float:
     try:
         cfg = projection.preset_model(*job)
-        seq_len = load_config(None, [f"preset={job[0]}"]).data.seq_len
-        return projection.counting_lengths(cfg, seq_len)[1]
+        return projection.counting_lengths(cfg, projection.preset_seq_len(job[0]))[1]
     except ConfigError:  # a bad preset: its job runs (first) and reports why
         return math.inf
 

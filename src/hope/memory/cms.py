@@ -323,35 +323,16 @@ class CMSLevel(nn.Module):
         and the Δ in force at each are the same; float64 tests); its score work grows
         with the block, not the call."""
         blocks = self._read_blocks(x_norm.shape[1], state.pending)
-        if len(blocks) == 1:
-            return self._teach_call(x_norm, teach, state, token_loss, token_entropy)
-        outs = []
-        for piece in blocks:
-            out, state = self._teach_call(
-                x_norm[:, piece], teach[:, piece], state,
-                None if token_loss is None else token_loss[:, piece],
-                None if token_entropy is None else token_entropy[:, piece],
-            )  # fmt: skip
-            outs.append(out)
-        return torch.cat(outs, dim=1), state
-
-    def _read_blocks(self, length: int, pending: int) -> list[slice]:
-        """The call's tokens in dual-read blocks: each but the last ends on a multiple of
-        ``read_block`` from the first pending token (one block when the level cannot
-        read dually or the call fits)."""
-        dual_possible = self.rule.linear and not self.adaptive_lr
-        if self.read_form == "materialized" or not dual_possible:
-            return [slice(0, length)]
-        return dual_read_blocks(length, pending, self.read_block)
-
-    def _teach_call(
-        self,
-        x_norm: Tensor,
-        teach: Tensor,
-        state: LevelState,
-        token_loss: Tensor | None,
-        token_entropy: Tensor | None,
-    ) -> tuple[Tensor, LevelState]:
+        if len(blocks) > 1:  # each block is one call of a single block
+            outs = []
+            for piece in blocks:
+                out, state = self.teach_forward(
+                    x_norm[:, piece], teach[:, piece], state,
+                    token_loss=None if token_loss is None else token_loss[:, piece],
+                    token_entropy=None if token_entropy is None else token_entropy[:, piece],
+                )  # fmt: skip
+                outs.append(out)
+            return torch.cat(outs, dim=1), state
         layout = self._layout(x_norm, teach, state, token_loss, token_entropy)
         if not self.uses_dual_read(layout):
             deltas, new_state = self._materialised(layout, state)
@@ -361,6 +342,15 @@ class CMSLevel(nn.Module):
         )
         final = replace(state, delta_in=d_in, delta_out=d_out, mom_in=m_in, mom_out=m_out)
         return out, self._advance(final, layout)
+
+    def _read_blocks(self, length: int, pending: int) -> list[slice]:
+        """The call's tokens in dual-read blocks: each but the last ends on a multiple of
+        ``read_block`` from the first pending token (one block when the level cannot
+        read dually or the call fits)."""
+        dual_possible = self.rule.linear and not self.adaptive_lr
+        if self.read_form == "materialized" or not dual_possible:
+            return [slice(0, length)]
+        return dual_read_blocks(length, pending, self.read_block)
 
 
 def level_read_block(read_block: int, period: int) -> int:

@@ -228,6 +228,7 @@ def _scan_factors(
     state: LevelState,
     token_coef: Tensor,
     carried: tuple[Tensor, Tensor],
+    carries: bool,
 ) -> tuple[Tensor, Tensor]:
     """Hidden activations h_t and back-signals u_t = (δ_t W_out') ⊙ gelu'(z_t) of the
     fired chunks [B, F, h], at each chunk's start weights."""
@@ -241,7 +242,7 @@ def _scan_factors(
     wide = torch.promote_types(c_delta.dtype, inputs.dtype)
     pre_0 = _widened(inputs @ w_in.t(), wide)
     back_0 = _widened(teach @ w_out, wide)
-    if not state.carries_nothing():
+    if carries:
         pre_0 = pre_0 + _carried(inputs, state.delta_in, state.mom_in, c_delta, c_mom)
         # δ_t W_out' = δ_t (W_out + Δ_out): the transpose side of the same carried terms.
         out_t0 = state.delta_out.transpose(-1, -2)
@@ -268,6 +269,8 @@ def dual_teach_read(
     batch, n_rows, chunk, dim = layout.inputs.shape
     fired = layout.n_fire * chunk
     work = layout.inputs.dtype  # the scan's dtype: fp32, fp64 for an fp64 model
+    # A fresh state's carried Δ_0, m_0 are zeros: their terms are left out (same values).
+    carries = not state.carries_nothing()
     with torch.no_grad():
         rows, final_d, final_m = level_coefficients(
             rule, layout.gates, layout.n_fire, n_rows, batch, layout.inputs
@@ -276,17 +279,17 @@ def dual_teach_read(
         token_coef = per_token[..., _CARRIED:].repeat_interleave(chunk, dim=2)  # [B, L, F]
         carried = (per_token[..., 0], per_token[..., 1])
         w_in0, w_out0 = w_in.detach().to(work), w_out.detach().to(work)
-        hidden, back = _scan_factors(w_in0, w_out0, layout, state, token_coef, carried)
+        hidden, back = _scan_factors(w_in0, w_out0, layout, state, token_coef, carried, carries)
         inputs = layout.inputs.reshape(batch, -1, dim)[:, :fired]
         teach = layout.teach.reshape(batch, -1, dim)[:, :fired]
-        new_state = _final_state(state, final_d, final_m, inputs, teach, hidden, back, chunk)
+        new_state = _final_state(
+            state, final_d, final_m, inputs, teach, hidden, back, chunk, carries
+        )
 
     queries = slice(layout.offset, layout.offset + x_norm.shape[1])
     dtype = x_norm.dtype
     q_coef = token_coef[:, queries].to(dtype)
     q_delta, q_mom = (c[:, queries].to(dtype) for c in carried)
-    # A fresh state's carried Δ_0, m_0 are zeros: their terms are left out (same values).
-    carries = not state.carries_nothing()
     wide = torch.promote_types(q_delta.dtype, dtype)  # the carried sum's dtype (see above)
     pre = _widened(x_norm @ w_in.t().to(dtype), wide)
     if carries:
@@ -309,15 +312,14 @@ def _final_state(
     hidden: Tensor,
     back: Tensor,
     chunk: int,
+    carries: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Δ and m after the call from their source coefficients: carried terms plus
     Σ_t c_(i(t)) u_t a_tᵀ (W_in) and Σ_t c_(i(t)) δ_t h_tᵀ (W_out)."""
 
-    fresh = state.carries_nothing()
-
     def combine(coef: Tensor, delta0: Tensor, mom0: Tensor | None, g: Tensor) -> Tensor:
-        if fresh:  # c·0 terms; the dtype the sum would have had
-            return g.to(torch.promote_types(torch.promote_types(coef.dtype, delta0.dtype), g.dtype))
+        if not carries:  # c·0 terms; the dtype the sum would have had
+            return _widened(g, torch.promote_types(coef.dtype, delta0.dtype))
         out = coef[:, 0, None, None] * delta0 + g
         return out if mom0 is None else out + coef[:, 1, None, None] * mom0
 
