@@ -539,6 +539,38 @@ def test_fused_cms_factor_scan_is_one_launch_with_the_reference_values() -> None
         cms_factor_scan(pre_0, back_0, key, teach, 3)
 
 
+def test_cms_scan_runs_its_gelu_natively_and_restores_the_flag() -> None:
+    """On a CPU the scan's row-sized GELUs bypass oneDNN (setup costs more than the
+    rows); the values are the scan's in float32 within rounding of the oneDNN kernel,
+    and the global flag is as it was after the call, also after an error inside."""
+    gen = torch.Generator().manual_seed(0)
+    rows, chunk = 16, 1
+    earlier = torch.ones(rows, rows).tril(-1)
+    key, teach = (torch.randn(3, rows, rows, generator=gen) * earlier / 4 for _ in "kt")
+    pre_0, back_0 = (torch.randn(3, rows, 40, generator=gen) for _ in "pb")
+    seen: list[bool] = []
+    original = F.gelu
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(torch.backends.mkldnn.enabled)
+        return original(x, *args, **kwargs)
+
+    assert torch.backends.mkldnn.enabled
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(F, "gelu", spy)
+        hidden, back = cms_factor_scan_reference(pre_0, back_0, key, teach, chunk)
+    assert seen == [False] * rows and torch.backends.mkldnn.enabled
+    # the same recurrence in float64 (no oneDNN there), step by step
+    want_h, want_b = cms_factor_scan_reference(
+        *(t.double() for t in (pre_0, back_0, key, teach)), chunk
+    )
+    torch.testing.assert_close(hidden, want_h.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(back, want_b.float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError):
+        cms_factor_scan_reference(pre_0, back_0[:, :, :3], key, teach, chunk)
+    assert torch.backends.mkldnn.enabled
+
+
 def test_fused_bounded_step_is_one_launch_each_way_and_the_same_value() -> None:
     """The SMT's bounded step eta / (1 + rho) with its gradient (rho not differentiated):
     one launch each way under ``fused``."""

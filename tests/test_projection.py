@@ -156,11 +156,33 @@ def test_bench_report_holds_the_projection(tmp_path: Path) -> None:
     projected = report["projection"]
     assert projected["constants"]["achievable_fraction_of_peak"] == p.ACHIEVABLE
     row = projected["presets"]["pilot"]["transformer"]
-    assert row["micro_batch"]["tokens"] == p.MICRO_BATCH * 4096
+    # the preset's own micro-batch: pilot runs one 4K row per forward/backward
+    assert (row["micro_batch"]["rows"], row["micro_batch"]["tokens"]) == (1, 4096)
     assert set(row["micro_batch"]["devices"]) == {"H200", "H100", "A100"}
     shape = row["bench_pilot_shape"]
     assert shape["tokens"] == 4 * 4096
     assert shape["launches"] == round(row["launch_fit"]["base"] + 2 * row["launches_per_layer"])
+
+
+def test_a_preset_is_projected_at_its_own_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The micro-batch a preset runs (``train.micro_batch_size``, else one rank's whole
+    batch) is the one projected: the launches are paid per micro-batch, so a preset
+    that fits one row per forward pays them for that row alone."""
+    assert (p.preset_micro_batch("pilot"), p.preset_micro_batch("mid")) == (1, 8)
+    assert p.preset_micro_batch("tiny") == load_config(None, ["preset=tiny"]).train.batch_size
+    monkeypatch.setattr(p, "fit_launches", lambda cfg, seq_len: p.LaunchFit(0, 0, 0, 1.0, (1, 2)))
+    pilot = p.project_variant("pilot", "transformer")["micro_batch"]
+    mid = p.project_variant("mid", "transformer")["micro_batch"]
+    assert (pilot["rows"], pilot["tokens"]) == (1, 4096)
+    assert (mid["rows"], mid["tokens"]) == (8, 8 * 4096)
+    # the same launches over 1 row instead of 8: an eighth of the (FLOP-bound) floor,
+    # so the launches' share of the step over the floor is 8 times larger
+    cfg = p.preset_model("pilot", "transformer")
+    one, eight = (p.project_step(cfg, 4096, rows, 40_000, 10**8) for rows in (1, 8))
+    h200 = [step["devices"]["H200"] for step in (one, eight)]
+    assert h200[0]["floor_ms"] == pytest.approx(h200[1]["floor_ms"] / 8)
+    over = [device["graph_over_floor"] - 1 for device in h200]
+    assert over[0] == pytest.approx(8 * over[1]) and over[0] > 4
 
 
 def test_pilot_hope_projection_adds_the_frozen_read_mode(monkeypatch: pytest.MonkeyPatch) -> None:

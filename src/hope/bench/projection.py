@@ -7,7 +7,11 @@ whichever is larger, plus the host time of launching its kernels:
 
 - FLOPs: :func:`hope.bench.flops.executed_training_flops_per_token` (matmul work,
   with what the CMS dual read spends on its [T, F] scores) at the preset's dims,
-  times the tokens of one micro-batch. The floor the step is compared with
+  times the tokens of one micro-batch: the preset's own ``train.micro_batch_size``
+  rows (``preset_micro_batch``), what ``hope train --preset P`` runs per
+  forward/backward. The launches do not shrink with the rows, so a preset whose
+  memory allows one row per forward (pilot: ``hope`` keeps ~45 GiB per 4K row) pays
+  them for that row alone. The floor the step is compared with
   (``floor_ms``, ``*_over_floor``) and MFU take the useful work alone
   (:func:`hope.bench.flops.training_flops_per_token`): the floor is what the model
   needs, the step what the code spends.
@@ -75,7 +79,6 @@ EAGER_LAUNCH_S = 18.8e-6
 GRAPH_LAUNCH_S = 1.5e-6
 OPTIMIZER_BYTES_PER_PARAM = 36
 ACTIVATION_BYTES_PER_TOKEN = 2 * 34  # × dim × layers: written once, read once
-MICRO_BATCH = 8  # sequences per micro-batch of a preset step (the launches do not scale with it)
 COUNT_WIDTH_PER_HEAD = 4  # counting models: dim = 4 × heads
 
 
@@ -192,6 +195,7 @@ def project_step(
             "mfu_graph": step_flops / (graph * peak),
         }
     return {
+        "rows": batch,
         "tokens": tokens,
         "flops": step_flops,
         "executed_flops": executed,
@@ -211,6 +215,15 @@ def preset_seq_len(preset: str) -> int:
     return load_config(None, [f"preset={preset}"]).data.seq_len
 
 
+def preset_micro_batch(preset: str) -> int:
+    """Rows per forward/backward of ``preset``: its ``train.micro_batch_size``, else
+    the whole batch of one data-parallel rank."""
+    train = load_config(None, [f"preset={preset}"]).train
+    if train.micro_batch_size is not None:
+        return train.micro_batch_size
+    return max(1, train.batch_size // (train.nproc_per_node * train.nnodes))
+
+
 def count_parameters(cfg: ModelConfig) -> int:
     """Parameters of ``cfg`` without allocating them (meta device)."""
     with torch.device("meta"):
@@ -219,17 +232,18 @@ def count_parameters(cfg: ModelConfig) -> int:
 
 
 def project_variant(preset: str, variant: str) -> dict[str, Any]:
-    """One preset's projection for ``variant``: its launch model, the preset step
-    (``MICRO_BATCH`` sequences) and, for the pilot preset, the bench's ``pilot`` shape
+    """One preset's projection for ``variant``: its launch model, the preset's
+    micro-batch (``preset_micro_batch`` rows) and, for the pilot preset, the bench's ``pilot`` shape
     and HOPE with the frozen-base reads of the bench's ``pilot_frozen`` shape."""
     cfg = preset_model(preset, variant)
     seq_len = preset_seq_len(preset)
     fit = fit_launches(cfg, seq_len)
     launches = fit.predict(cfg.n_layers, seq_len)
+    rows = preset_micro_batch(preset)
     row: dict[str, Any] = {
         "launch_fit": dataclasses.asdict(fit),
         "launches_per_layer": round(fit.layer + fit.layer_per_token * seq_len),
-        "micro_batch": project_step(cfg, seq_len, MICRO_BATCH, launches, count_parameters(cfg)),
+        "micro_batch": project_step(cfg, seq_len, rows, launches, count_parameters(cfg)),
     }
     if variant == "hope" and preset == "pilot":  # the throughput mode of pilot_frozen
         from hope.bench.shapes import FROZEN_SMT
@@ -242,7 +256,7 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
                 frozen_fit.layer + frozen_fit.layer_per_token * seq_len
             ),
             "micro_batch": project_step(
-                frozen, seq_len, MICRO_BATCH, frozen_fit.predict(cfg.n_layers, seq_len),
+                frozen, seq_len, rows, frozen_fit.predict(cfg.n_layers, seq_len),
                 count_parameters(frozen),
             ),
         }  # fmt: skip
@@ -268,5 +282,4 @@ def constants() -> dict[str, Any]:
         "graph_launch_s": GRAPH_LAUNCH_S,
         "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM,
         "activation_bytes_per_token_per_dim_per_layer": ACTIVATION_BYTES_PER_TOKEN,
-        "micro_batch": MICRO_BATCH,
     }

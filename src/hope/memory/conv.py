@@ -72,4 +72,7 @@ class CausalDepthwiseConv(nn.Module):
         windows = padded.unfold(1, self.window, 1)  # [B, T, C, W], tap j reads t-(W-1)+j
         same = pieces.same_piece(length, self.window, padded.device)  # [T, W]
         windows = torch.where(same[None, :, None, :], windows, windows.detach())
-        return torch.einsum("btcw,cw->btc", windows, self.weight.to(padded.dtype))
+        # A broadcast product and a sum over the W taps, not an einsum: its backward
+        # would form the weight's gradient as C batched [B*T, 1] x [1, W] products
+        # (2.4x the time of the whole call on a 2-core CPU at the smoke shape).
+        return (windows * self.weight.to(padded.dtype)).sum(-1)
