@@ -21,7 +21,7 @@ reference.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +41,23 @@ def cms_factor_scan_reference(
     return hidden, back
 
 
-def _native_gelu(like: Tensor) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def _native_gelu(like: Tensor) -> Iterator[None]:
     """On a CPU, GELU and its slope by ATen's own kernels, not oneDNN's: a oneDNN call
     costs 10-40 us of setup whatever its size (2-core AMD EPYC, torch 2.13), which the
     scan's row-sized calls, two per chunk, pay in full (5 us natively). The flag is
-    global, so it is set only around the loop; compiled code never reads it."""
+    global, so it is cleared only around the loop and put back as it was (only that
+    flag: ``torch.backends.mkldnn.flags`` would reset the others); compiled code never
+    reads it."""
     if like.device.type != "cpu" or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return torch.backends.mkldnn.flags(enabled=False)
+        yield
+        return
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
 
 
 def _scan_chunks(
