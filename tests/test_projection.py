@@ -7,14 +7,19 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from hope.bench import flops
 from hope.bench import projection as p
 from hope.bench import run as bench_run
+from hope.bench.measure import LaunchCounter
 from hope.bench.shapes import preset_read_forms
-from hope.config import load_config
+from hope.config import OptimConfig, load_config
 from hope.memory.ops import dispatch
 from hope.model.config import ModelConfig
+from hope.model.zoo import build_model
+from hope.optim.outer import build_optimizer
+from hope.train.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small chunking: periods 4/8, SMT chunks 2/4, Titans chunk 4 (counting lengths 16, 32).
@@ -47,6 +52,29 @@ def test_launch_fit_predicts_a_direct_count_at_another_depth_and_length(
         assert fit.layer_per_token > 0  # the chunk loops launch per chunk
     else:
         assert fit.layer_per_token == 0 and fit.base_per_token == 0
+
+
+@pytest.mark.parametrize("variant", ["transformer", "hope"])
+def test_a_count_is_of_a_steady_step_not_the_first(variant: str) -> None:
+    """The counted step launches what the third step of a training run does: not the
+    optimizer's first-step state (AdamW's moments, one ``zeros_like`` each), which
+    the first step pays once."""
+    cfg = ModelConfig(variant=variant, **SMALL_CHUNKS)  # type: ignore[arg-type]
+    forms = preset_read_forms(cfg, 16)
+    narrow = dataclasses.replace(cfg, dim=p.COUNT_WIDTH_PER_HEAD * cfg.n_heads, n_layers=1)
+    torch.manual_seed(0)
+    model = build_model(narrow)
+    model.train()
+    optimizer = build_optimizer(model, OptimConfig())
+    tokens = torch.randint(0, 64, (1, 17))
+    counts = []
+    for _ in range(3):
+        with LaunchCounter() as counter:
+            train_step(model, optimizer, None, tokens[:, :-1], tokens[:, 1:], 1.0, None)
+        counts.append(counter.count)
+    params = sum(1 for _ in model.parameters())
+    assert counts[0] - counts[1] >= 2 * params and counts[1] == counts[2]
+    assert p.count_step_launches(cfg, 16, 1, forms) == counts[2]
 
 
 def test_counts_are_made_once_per_narrow_model_context_forms_and_backend(
