@@ -23,8 +23,9 @@ whichever is larger, plus the host time of launching its kernels:
   transformer block without the s² score term (flash attention), used here for
   every variant.
 - launches: the kernel-launching aten ops of one steady training step (forward,
-  backward, AdamW with its state already made: ``make_optimizer_state``), counted with :class:`hope.bench.measure.LaunchCounter` on a model with the
-  preset's chunking, heads and layer structure but small widths, at two context
+  backward, AdamW with its state already made: ``make_optimizer_state``), counted
+  with :class:`hope.bench.measure.LaunchCounter` on a model with the preset's
+  chunking, heads and layer structure but small widths, at two context
   lengths and one and two layers. The count is exactly affine in the context length
   (every loop runs per chunk, and the lengths are multiples of every chunk and
   period) and in the layer count, so four counts give it at the preset's size
