@@ -63,7 +63,7 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   prows_ptr, pgates_ptr, w1_out, w2_out, inc1_out, inc2_out, rows_out,
                   gates_out, read_out, m1_out, m2_out, mi1_out, mi2_out, bias_out,
                   H, GH, C, P, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
-                  Q_SB, Q_SH, Q_SC, Q_SD, eta_scale,
+                  Q_SB, Q_SH, Q_SC, Q_SD, eta_scale, READ_SH,
                   HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_PEND: tl.constexpr,
                   FLUSH: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
                   DOT_LOSS: tl.constexpr, CP: tl.constexpr, CMP: tl.constexpr,
@@ -103,14 +103,14 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         sh = b * GH + g * H + h
         a, c = sh * O * M, sh * M * I
         write_member_fwd(w1_ptr + a, w2_ptr + c, w1_out + a, w2_out + c, inc1_out + a,
-                         inc2_out + c, read_out + head * C * O, k, v, q, eta, alpha,
+                         inc2_out + c, read_out + head * READ_SH, k, v, q, eta, alpha,
                          skip_of(scale_ptr, g * H + h, HAS_SCALE, RESIDUAL), t, i, o, live, C, I,
                          O, M, True, HAS_SCALE or RESIDUAL, True, DOT_LOSS, CP, OP, BLOCK_M,
                          SQUARINGS, DOT)  # fmt: skip
     else:  # M_mem apart (residual): read at its chunk-start state
         read = apply_rows(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
                       BLOCK_M, DOT) + q  # fmt: skip
-        store_tile(read_out + head * C * O, read, t, o, C, O, O)
+        store_tile(read_out + head * READ_SH, read, t, o, C, O, O)
         if not FLUSH:  # M_mem carried unchanged
             for m0 in range(0, M, BLOCK_M):
                 m = m0 + tl.arange(0, BLOCK_M)
@@ -160,7 +160,7 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   dquery_ptr, dr1_ptr, dr2_ptr, dbias_ptr, drows_ptr, dgates_ptr,
                   H, GH, C, P, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
                   Q_SB, Q_SH, Q_SC, Q_SD, G_SB, G_SH, G_SC, G_SD, GR_SB, GR_SH, GG_SB, GG_SH,
-                  eta_scale,
+                  eta_scale, DX_SH,
                   HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, FLUSH: tl.constexpr,
                   HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr,
                   HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
@@ -175,7 +175,7 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     b, h = head // H, head % H
     t, i, o = tl.arange(0, CP), tl.arange(0, IP), tl.arange(0, OP)
     live = t < C
-    rows = head * C * I
+    rows = head * DX_SH  # dx, dquery: [C, I] per head, heads DX_SH apart
     x = load_strided(x_ptr + b * X_SB + h * X_SH, t, i, C, I, X_SC, X_SD)
     gen = head_generation(w1_ptr, w2_ptr, x, query_ptr + b * Q_SB + h * Q_SH, bias_ptr,
                       scale_ptr, b, h, head, t, i, o, live, H, GH, C, I, O, M, BIAS_STRIDE,
@@ -344,7 +344,7 @@ def smt_step_triton(
     flat = _flat(inputs)
     _smt_step_fwd[(b * heads,)](
         *flat, *weights, *ext, read, *(flat[2] if not t.numel() else t for t in mem), bias,
-        HAS_PEND=pend_rows is not None, **sizes,
+        HAS_PEND=pend_rows is not None, READ_SH=c * w1.shape[-2], **sizes,
     )  # fmt: skip
     return (*weights, *ext, read, *mem, bias)
 
@@ -385,7 +385,7 @@ def smt_step_backward_triton(
         *flat[:8], rows.contiguous(), gates.contiguous(), *g_flat,
         *(flat[2] if t is None else t for t in outs),
         **{f: g is not None and g.numel() > 0 for f, g in zip(flags, grads, strict=True)},
-        **sizes, **_strides("G", g_read), **held_strides,
+        **sizes, **_strides("G", g_read), **held_strides, DX_SH=x.shape[2] * x.shape[3],
     )  # fmt: skip
     if not _mem_gets_grad(r1, options[4], list(grads)):
         outs[4] = outs[5] = None
