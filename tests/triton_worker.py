@@ -6,6 +6,7 @@ scripts/gpu_check.sh's tests run it on CUDA)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -31,6 +32,7 @@ from hope.memory.ops.segment_attention import (
     segment_attention_reference,
 )
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
+from hope.memory.ops.smt_walk import smt_walk_backward_reference, smt_walk_reference
 from hope.memory.ops.smt_write import smt_write_backward_reference, smt_write_reference
 from hope.memory.ops.titans_heads import (
     titans_heads_backward_reference,
@@ -67,8 +69,11 @@ from hope.memory.ops.triton_segment_attention import (
     segment_attention_triton,
 )
 from hope.memory.ops.triton_step import smt_step_backward_triton, smt_step_triton
+from hope.memory.ops.triton_walk import smt_walk_backward_triton, smt_walk_triton
 from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_triton
 from hope.memory.residual_mlp import overshoot_ratio
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
 SHAPES = [(8, 12, 40, 5), (16, 16, 64, 16), (1, 4, 8, 1), (20, 8, 136, 8)]
@@ -465,6 +470,70 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
+# A walk of chunk steps (M_mem in the stack, adaptive q, dot loss, chunks, period): M_mem
+# apart written every second chunk, and in the stack every chunk.
+WALK_CASES = [(False, False, False, 4, 2), (True, True, True, 2, 1)]
+
+
+def walk_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::smt_walk``'s kernels: the forward against the chained step kernels it
+    runs (the same arithmetic) and, but for the increments, against its reference; the
+    backward against its reference, with every gradient and with the reads' alone."""
+    errors = {}
+    for own, adaptive, dot, chunks, period in WALK_CASES:
+        gen = torch.Generator().manual_seed(chunks + 10 * own)
+
+        def rand(*shape: int, scale: float = 1.0, gen: torch.Generator = gen) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(
+                device, dtype
+            )
+
+        b, h, g, c, d, m = 2, 3, 5 if adaptive else 4, 4, 8, 12
+        w1, w2 = rand(b, (g + own) * h, d, m, scale=0.3), rand(b, (g + own) * h, m, d, scale=0.5)
+        mem = (None, None) if own else (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
+        flags = torch.tensor([1.0] * (g - 2) + [0.0, 0.0] + [1.0] * own, dtype=dtype)
+        x = rand(b, d, chunks * c, h).permute(0, 3, 2, 1)  # strided, as the SMT's heads
+        query = None if adaptive else rand(b, h, chunks * c, d)
+        inputs = (
+            w1,
+            w2,
+            x,
+            query,
+            *mem,
+            rand(h).expand(b, h),
+            flags.to(device).repeat_interleave(h),
+        )
+        options = (False, dot, 0.7, g, c, period)
+        name = f"walk_{'own' if own else 'apart'}_N{chunks}_{str(dtype)[6:]}"
+        got = smt_walk_triton(inputs, options)
+        distinct_storages(f"{name} forward", got)
+        steps, pending, state = [], (None, None), list(inputs[:2]) + list(mem)
+        for k in range(chunks):
+            flush = not own and k % period == period - 1
+            span = slice(k * c, (k + 1) * c)
+            step = (*state[:2], x[:, :, span], None if query is None else query[:, :, span],
+                    *state[2:], inputs[6], inputs[7], *pending)  # fmt: skip
+            out = smt_step_triton(step, (False, dot, 0.7, g, flush))
+            steps.append(out)
+            state = [out[0], out[1], *([None, None] if own else [out[7], out[8]])]
+            pending = (None, None) if own or flush else (out[4], out[5])
+        last = steps[-1]
+        chained = (*last[:4], torch.cat([o[6] for o in steps], dim=2), *last[7:11], last[11])
+        present = [j for j, t in enumerate(chained) if t.numel()]
+        errors[f"{name}_forward_steps"] = worst(tuple(got[j] for j in present),
+                                                tuple(chained[j] for j in present))  # fmt: skip
+        want = smt_walk_reference(inputs, options)
+        kept = [j for j in (0, 1, 4, 5, 6, 9) if want[j].numel()]  # not the increments
+        errors[f"{name}_forward"] = worst(tuple(got[j] for j in kept), tuple(want[j] for j in kept))
+        grads = tuple(rand_like(w, gen) if w.numel() else None for w in want)
+        for label, given in (("", grads), ("_reads", (None,) * 4 + grads[4:5] + (None,) * 5)):
+            got_g = smt_walk_backward_triton(inputs, options, given)
+            ref = smt_walk_backward_reference(inputs, options, given)
+            pairs = [(a, r) for a, r in zip(got_g, ref, strict=True) if r is not None]
+            errors[f"{name}_backward{label}"] = worst(*zip(*pairs, strict=True))
+    return errors
+
+
 # The CMS chunk scan (rows L >= F fired tokens, F, hidden width, chunk): one-token
 # chunks, a chunk wider than a row block, hidden blocks with a ragged last one, rows
 # past the fired ones.
@@ -724,6 +793,8 @@ def main(
         errors |= generation_errors(dtype, device)
         errors |= write_errors(dtype, device)
         errors |= step_errors(dtype, device)
+        if dtype == torch.float64 or not INTERPRETED:  # the interpreter's float64 is enough
+            errors |= walk_errors(dtype, device)
         errors |= cms_scan_errors(dtype, device)
         errors |= end_weights_errors(dtype, device)
         errors |= chunk_rates_errors(dtype, device)

@@ -18,7 +18,11 @@ between chunks). Three decisions about that loop are made here, once:
 
 The memory supplies the step ``(carry, first token, chunk) -> (carry, read)``, which must leave
 its input carry as it was (a checkpointed segment reruns from it), and the carry,
-which knows how to detach itself.
+which knows how to detach itself. It may supply a walk too, ``(carry, chunks) ->
+(carry, reads) or None``: a run of chunks as one operator that saves only its
+inputs and reruns in backward, so a checkpointed segment in one piece (None where
+the walk cannot take those chunks: the segment is checkpointed as above). Without
+grad a walk takes the whole call.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class PieceCarry(Carry, Protocol):
 
 C = TypeVar("C", bound=Carry)
 X = TypeVar("X")
+Walk = Callable[[C, Sequence[tuple[int, X]]], tuple[C, Tensor] | None]
 
 
 @dataclass(frozen=True)
@@ -97,17 +102,29 @@ def run_chunks(
     chunks: Sequence[tuple[int, X]],
     policy: LoopPolicy,
     pieces: PieceGrid | None = None,
+    walk: Walk[C, X] | None = None,
 ) -> tuple[C, list[Tensor]]:
     """Step the memory over ``chunks`` ((first token, the chunk's inputs) each) from
-    ``carry``; returns the final carry and each chunk's read.
+    ``carry``; returns the final carry and the reads (one per chunk, or per walk).
 
     Checkpointed segments run only with grad enabled and outside pass A (whose piece
     cuts already bound what a graph holds)."""
     span = policy.checkpoint_chunks
-    if not (span and pieces is None and torch.is_grad_enabled()):
+    grad = torch.is_grad_enabled()
+    if walk is not None and pieces is None and not grad:
+        walked = walk(carry, chunks)
+        if walked is not None:
+            return walked[0], [walked[1]]
+    if not (span and pieces is None and grad):
         return _segment(step, policy, pieces, carry, chunks)
     reads: list[Tensor] = []
+    walks = walk is not None and policy.write_grad == "full"  # no detach inside a walk
     for first in range(0, len(chunks), span):
+        walked = walk(carry, chunks[first : first + span]) if walks else None  # type: ignore[misc]
+        if walked is not None:
+            carry = walked[0]
+            reads.append(walked[1])
+            continue
         # No RNG to replay (no op of a memory step draws random numbers); stashing
         # it would read the CUDA generator's state, which a CUDA graph cannot capture.
         carry, out = checkpoint(

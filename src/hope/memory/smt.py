@@ -30,6 +30,7 @@ state gets gradient only from the reads of the first C_m chunk.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -52,7 +53,7 @@ from hope.memory.residual_mlp import (
     stacked_apply,
 )
 from hope.memory.smt_frozen import frozen_segment, segment_reads
-from hope.memory.smt_fused import fused_chunk_step, write_pending
+from hope.memory.smt_fused import fused_chunk_step, fused_walk, write_pending
 from hope.memory.smt_state import (
     CallPlan,
     ChunkCarry,
@@ -317,7 +318,13 @@ class SelfModifyingTitans(nn.Module):
         def step(carry: ChunkCarry, start: int, xq: ChunkInputs) -> tuple[ChunkCarry, Tensor]:
             return self._chunk_step(carry, start, xq, loop)
 
-        carry, reads = run_chunks(step, carry, chunks, self.policy, pieces)
+        def walk(
+            carry: ChunkCarry, run: Sequence[tuple[int, ChunkInputs]]
+        ) -> tuple[ChunkCarry, Tensor] | None:
+            return fused_walk(self, carry, run, loop, (heads, queries))
+
+        walks = walk if loop.step_bias is not None else None
+        carry, reads = run_chunks(step, carry, chunks, self.policy, pieces, walks)
         out = torch.cat(reads, dim=2).transpose(1, 2).reshape(batch, seq, dim)
         mems: dict[str, FastWeights] = {}
         for group in plan:

@@ -13,12 +13,14 @@ from the same pending tokens (``write_pending`` is the per-operator one).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from hope.memory.ops.smt_step import smt_step
+from hope.memory.ops.smt_walk import smt_walk
 from hope.memory.smt_state import CallPlan, ChunkCarry, ChunkInputs, Generated, join_generated
 
 if TYPE_CHECKING:
@@ -88,3 +90,47 @@ def fused_chunk_step(
         carry.pending_len, carry.packed = rows.shape[2], (rows, gates)
     carry.chunks_done += 1
     return carry, out[6]
+
+
+def fused_walk(
+    smt: SelfModifyingTitans,
+    carry: ChunkCarry,
+    chunks: Sequence[tuple[int, ChunkInputs]],
+    loop: CallPlan,
+    inputs: ChunkInputs,
+) -> tuple[ChunkCarry, Tensor] | None:
+    """``chunks`` as one ``hope::smt_walk`` (the chunk loop's walk, ``chunk_loop``), or
+    None unless they are whole periods of M_mem's write of complete chunks, none
+    pending. ``inputs``: the call's x~ and x~ W_q [B, H, T, d_h], which the chunks
+    cut; the walk reads its span of them in place."""
+    cfg, size = smt.cfg, smt.cfg.chunk
+    group, flush = loop.plan[0], loop.flush
+    period = 1 if group is flush else cfg.mem_chunk // size
+    whole = all(xq[0].shape[2] == size for _, xq in chunks)
+    if loop.step_bias is None or carry.partial is not None or carry.pending_len:
+        return None
+    if not chunks or not whole or len(chunks) % period:
+        return None
+    span = slice(chunks[0][0], chunks[0][0] + len(chunks) * size)
+    x, query = (None if t is None else t[:, :, span] for t in inputs)
+    assert x is not None
+    fast = carry.stacks[group.key]
+    work = fast.w1.dtype
+    residual = smt._residual(group)
+    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
+    mem = None if group is flush else carry.stacks[flush.key]
+    bias = loop.step_bias.to(work) if carry.bias is None else carry.bias
+    out = smt_walk(
+        fast.w1, fast.w2, x.to(work), None if query is None else query.to(work),
+        None if mem is None else mem.w1, None if mem is None else mem.w2, bias, scale,
+        residual is True, cfg.objective == "dot", cfg.eta_scale, len(group.generators), size,
+        period,
+    )  # fmt: skip
+    carry = carry.copy()
+    carry.stacks[group.key] = fast.with_weights(*out[:4])
+    carry.bias = out[9]
+    if mem is not None:
+        carry.stacks[flush.key] = mem.with_weights(*out[5:9])
+        carry.pending, carry.pending_len, carry.packed = [], 0, None
+    carry.chunks_done += len(chunks)
+    return carry, out[4]

@@ -28,6 +28,9 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
     # rows' and gates' gradients per (sample, head) (slices of the next step's).
     "hope::smt_step": {"x": ALL, "query": ALL, "alpha_bias": ALL},
     "hope::smt_step_backward": {"saved": {2: ALL, 3: ALL, 6: ALL}, "grads": {4: 2, 5: 2, 6: ALL}},
+    # a walk of chunk steps: the same, for the call's span of x, the query and the reads
+    "hope::smt_walk": {"x": ALL, "query": ALL, "alpha_bias": ALL},
+    "hope::smt_walk_backward": {"saved": {2: ALL, 3: ALL, 6: ALL}, "grads": {4: ALL}},
     "hope::chunk_end_weights": {"eta": ALL, "keep": ALL},
     # q and k: views of the fused qkv projection; the gradient as autograd hands it.
     "hope::rotary": {"x": ALL},
@@ -62,8 +65,12 @@ STRIDED_READS: dict[str, dict[str, Leading]] = {
 # (the RMSNorm backward sums its blocks' shares of the weight's gradient when asked for
 # it; the Titans heads' backward the conv weight's per-sample gradients, and the segment
 # attention's backward P's values', when that weight or P's values come shared rather
-# than per sample: the latter are its inputs' slot 7).
+# than per sample: the latter are its inputs' slot 7; a walk's backward makes zeros
+# for each increment's gradient it is given, which its earlier chunks read).
 EXTRA_LAUNCHES: dict[str, int | Callable[[dict[str, Any]], int]] = {
+    "hope::smt_walk_backward": lambda values: sum(
+        int(g is not None and g.numel() > 0) for g in values["grads"][2:4] + values["grads"][7:9]
+    ),
     "hope::rms_norm_backward": lambda values: int(values.get("weight_grad", True)),
     "hope::titans_heads_backward": lambda values: int(values["weight"].dim() == 2),
     "hope::segment_attention_backward": lambda values: int(

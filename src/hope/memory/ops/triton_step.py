@@ -64,8 +64,8 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   gates_out, read_out, m1_out, m2_out, mi1_out, mi2_out, bias_out,
                   H, GH, C, P, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
                   Q_SB, Q_SH, Q_SC, Q_SD, eta_scale, READ_SH,
-                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, HAS_PEND: tl.constexpr,
-                  FLUSH: tl.constexpr, HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
+                  HAS_PEND, FLUSH, HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr,
                   DOT_LOSS: tl.constexpr, CP: tl.constexpr, CMP: tl.constexpr,
                   IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
                   SQUARINGS: tl.constexpr, MSQUARINGS: tl.constexpr, EPS: tl.constexpr,
@@ -111,7 +111,7 @@ def _smt_step_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         read = apply_rows(r1_ptr + head * O * M, r2_ptr + head * M * I, q, i, o, I, O, M, CP, OP,
                       BLOCK_M, DOT) + q  # fmt: skip
         store_tile(read_out + head * READ_SH, read, t, o, C, O, O)
-        if not FLUSH:  # M_mem carried unchanged
+        if FLUSH == 0:  # M_mem carried unchanged
             for m0 in range(0, M, BLOCK_M):
                 m = m0 + tl.arange(0, BLOCK_M)
                 a, c = head * O * M, head * M * I
@@ -161,10 +161,10 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   H, GH, C, P, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
                   Q_SB, Q_SH, Q_SC, Q_SD, G_SB, G_SH, G_SC, G_SD, GR_SB, GR_SH, GG_SB, GG_SH,
                   eta_scale, DX_SH,
-                  HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr, FLUSH: tl.constexpr,
+                  FLUSH, HAS_GROWS, HAS_GGATES, HAS_QUERY: tl.constexpr, OWN_READ: tl.constexpr,
                   HAS_SCALE: tl.constexpr, RESIDUAL: tl.constexpr, DOT_LOSS: tl.constexpr,
                   HAS_GW1: tl.constexpr, HAS_GW2: tl.constexpr, HAS_GI1: tl.constexpr,
-                  HAS_GI2: tl.constexpr, HAS_GROWS: tl.constexpr, HAS_GGATES: tl.constexpr,
+                  HAS_GI2: tl.constexpr,
                   HAS_GREAD: tl.constexpr, HAS_GM1: tl.constexpr, HAS_GM2: tl.constexpr,
                   HAS_GMI1: tl.constexpr, HAS_GMI2: tl.constexpr, HAS_GBIAS: tl.constexpr,
                   CP: tl.constexpr,
@@ -189,8 +189,8 @@ def _smt_step_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     # The rows' and gates' gradients: dense per head, batch and head strides read (a
     # slice of the next step's pending gradients needs no copy).
     grows_head, ggates_head = grows_ptr + b * GR_SB + h * GR_SH, ggates_ptr + b * GG_SB + h * GG_SH
-    d_km, d_vm, d_qm = _rows_of(grows_head, tm, i, n if HAS_GROWS else 0, I)
-    d_etam, d_alpham = _gates_of(ggates_head, tm, n if HAS_GGATES else 0, 0.0)
+    d_km, d_vm, d_qm = _rows_of(grows_head, tm, i, tl.where(HAS_GROWS, n, 0), I)
+    d_etam, d_alpham = _gates_of(ggates_head, tm, tl.where(HAS_GGATES, n, 0), 0.0)
     if FLUSH:
         mem = _rows_of(rows_ptr + head * n * 3 * I, tm, i, n, I)
         mem_gates = _gates_of(gates_ptr + head * n * 2, tm, n, 1.0)

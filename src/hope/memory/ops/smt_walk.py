@@ -1,0 +1,240 @@
+"""A run of the SMT's complete chunk steps as one operator (backend ``fused``):
+``hope::smt_walk`` and its backward.
+
+``hope::smt_step`` (``smt_step.py``) is one C_o chunk each way; at the pilot chunking
+a 4K row is 512 of them per layer and pass, each a kernel launch forward, backward and
+again in the checkpointed recompute. This operator walks N chunks (whole periods of
+M_mem's write, starting with none pending: R = C_m / C_o chunks each) from one carry:
+
+  forward: chunk after chunk, each chunk step reading the state the last one wrote;
+  backward: the forward again, every chunk's input state kept (what activation
+  checkpointing of the same segment would rerun), then the chunk steps' backwards
+  from the last chunk to the first, each chunk's output gradients the next one's
+  input gradients.
+
+Only the inputs are saved for backward, so a walk is one checkpointed segment of the
+chunk loop (``chunk_loop``): the same values and gradients as the segment's chunk
+steps, in one launch each way on CUDA (``triton_walk.py``) instead of 3N. Elsewhere
+the chunk steps' PyTorch forms in a loop, which is this operator's reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
+
+# w1, w2 (the written stack), x, query [B, H, N*C, I], r1, r2 (M_mem apart, or None),
+# alpha_bias [B, H], scale: as ``smt_step`` takes them for the walk's first chunk
+WalkInputs = tuple[Tensor | None, ...]
+# W1', W2', inc1, inc2 of the stack after the last chunk; the reads [B, H, N*C, O];
+# M_mem's W1', W2', inc1, inc2 after its last write (empty when it is in the stack);
+# alpha_bias carried
+WalkResult = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+WalkOptions = tuple[bool, bool, float, int, int, int]  # + chunk C, period R (chunks)
+# a chunk step's inputs and flush flag, and the rows and gates it output
+StepRecord = tuple[tuple[Tensor | None, ...], bool, Tensor, Tensor]
+
+
+def _chunk(t: Tensor | None, c: int, size: int) -> Tensor | None:
+    return None if t is None else t[:, :, c * size : (c + 1) * size]
+
+
+def _walk(
+    inputs: WalkInputs, options: WalkOptions, records: list[StepRecord] | None = None
+) -> tuple[Tensor, ...]:
+    """The chunk steps one after another; ``records`` collects each step's inputs."""
+    w1, w2, x, query, r1, r2, bias, scale = inputs
+    residual, dot, eta_scale, generators, size, period = options
+    assert x is not None and bias is not None
+    pending: tuple[Tensor | None, Tensor | None] = (None, None)
+    reads: list[Tensor] = []
+    out: tuple[Tensor, ...] = ()
+    for c in range(x.shape[2] // size):
+        flush = r1 is not None and c % period == period - 1
+        step = (w1, w2, _chunk(x, c, size), _chunk(query, c, size), r1, r2, bias, scale, *pending)
+        out = smt_step_reference(step, (residual, dot, eta_scale, generators, flush))
+        if records is not None:
+            records.append((step, flush, out[4], out[5]))
+        w1, w2 = out[0], out[1]
+        reads.append(out[6])
+        if r1 is not None:
+            r1, r2 = out[7], out[8]
+            pending = (None, None) if flush else (out[4], out[5])
+    return (*out[:4], torch.cat(reads, dim=2), *out[7:])
+
+
+def smt_walk_reference(inputs: WalkInputs, options: WalkOptions) -> tuple[Tensor, ...]:
+    """The forward in PyTorch ops (module docstring)."""
+    return _walk(inputs, options)
+
+
+def smt_walk_backward_reference(
+    inputs: WalkInputs, options: WalkOptions, grads: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """d(w1, w2, x, query, r1, r2, alpha_bias) given d(outputs) (None where zero): the
+    forward again with every step's inputs kept, then the steps' backwards last to
+    first (``smt_step_backward_reference``)."""
+    x, query = inputs[2], inputs[3]
+    residual, dot, eta_scale, generators, size, _ = options
+    assert x is not None
+    records: list[StepRecord] = []
+    with torch.no_grad():
+        _walk(inputs, options, records)
+    g_w1, g_w2, g_inc1, g_inc2, g_read, g_m1, g_m2, g_minc1, g_minc2, g_bias = grads
+    chained: list[Tensor | None] = [g_w1, g_w2, g_m1, g_m2, g_bias, None, None]
+    d_x = torch.empty_like(x)
+    d_query = None if query is None else torch.empty_like(query)
+    for c in range(len(records) - 1, -1, -1):
+        step, flush, rows, gates = records[c]
+        last = c == len(records) - 1
+        step_grads = (
+            chained[0], chained[1], g_inc1 if last else None, g_inc2 if last else None,
+            chained[5], chained[6], _chunk(g_read, c, size), chained[2], chained[3],
+            g_minc1 if last else None, g_minc2 if last else None, chained[4],
+        )  # fmt: skip
+        del rows, gates  # the step's backward recomputes them
+        d = smt_step_backward_reference(step, (residual, dot, eta_scale, generators, flush),
+                                        step_grads)  # fmt: skip
+        d_x[:, :, c * size : (c + 1) * size] = d[2]  # type: ignore[assignment]
+        if d_query is not None:
+            d_query[:, :, c * size : (c + 1) * size] = d[3]  # type: ignore[assignment]
+        chained = [d[0], d[1], d[4], d[5], d[6], d[7], d[8]]
+    r1, r2 = inputs[4], inputs[5]
+    if r1 is not None and r2 is not None and chained[2] is None:  # as the kernel: zeros
+        chained[2:4] = [torch.zeros_like(r1), torch.zeros_like(r2)]
+    return (chained[0], chained[1], d_x, d_query, chained[2], chained[3], chained[4])
+
+
+def walk_check(inputs: WalkInputs, options: WalkOptions) -> None:
+    """The walk's shapes: whole periods of whole chunks, R = 1 when M_mem is in the stack."""
+    x, r1 = inputs[2], inputs[4]
+    size, period = options[4], options[5]
+    assert x is not None
+    if size < 1 or period < 1 or x.shape[2] % (size * period) or not x.shape[2]:
+        raise ValueError(
+            f"smt_walk: {x.shape[2]} tokens are not whole periods of {period} chunks of {size}"
+        )
+    if r1 is None and period != 1:
+        raise ValueError("smt_walk: M_mem in the stack is written every chunk (period 1)")
+
+
+@torch.library.custom_op("hope::smt_walk", mutates_args=())
+def smt_walk(
+    w1: Tensor,
+    w2: Tensor,
+    x: Tensor,
+    query: Tensor | None,
+    r1: Tensor | None,
+    r2: Tensor | None,
+    alpha_bias: Tensor,
+    scale: Tensor | None,
+    residual: bool,
+    dot: bool,
+    eta_scale: float,
+    generators: int,
+    chunk: int,
+    period: int,
+) -> WalkResult:
+    """N = T / ``chunk`` chunk steps of ``hope::smt_step`` (its arguments, x and query
+    [B, H, T, I] holding every chunk; no tokens pending at the start), M_mem apart
+    written every ``period`` chunks. -> ``WalkResult``."""
+    inputs = (w1, w2, x, query, r1, r2, alpha_bias, scale)
+    options = (residual, dot, eta_scale, generators, chunk, period)
+    walk_check(inputs, options)
+    if w1.device.type == "cuda":
+        from hope.memory.ops.triton_walk import smt_walk_triton
+
+        return smt_walk_triton(inputs, options)  # type: ignore[return-value]
+    return smt_walk_reference(inputs, options)  # type: ignore[return-value]
+
+
+@smt_walk.register_fake
+def _(
+    w1: Tensor,
+    w2: Tensor,
+    x: Tensor,
+    query: Tensor | None,
+    r1: Tensor | None,
+    r2: Tensor | None,
+    alpha_bias: Tensor,
+    scale: Tensor | None,
+    residual: bool,
+    dot: bool,
+    eta_scale: float,
+    generators: int,
+    chunk: int,
+    period: int,
+) -> WalkResult:
+    b, h, t, _ = x.shape
+    weights = [torch.empty_like(w) for w in (w1, w2, w1, w2)]
+    mem = [x.new_empty(0) for _ in range(4)]  # four tensors: outputs may not alias
+    if r1 is not None and r2 is not None:
+        mem = [torch.empty_like(w) for w in (r1, r2, r1, r2)]
+    read = x.new_empty(b, h, t, w1.shape[-2])
+    return (*weights, read, *mem, torch.empty_like(alpha_bias))  # type: ignore[return-value]
+
+
+@torch.library.custom_op("hope::smt_walk_backward", mutates_args=())
+def smt_walk_backward(
+    saved: list[Tensor | None],
+    residual: bool,
+    dot: bool,
+    eta_scale: float,
+    generators: int,
+    chunk: int,
+    period: int,
+    grads: list[Tensor | None],
+) -> list[Tensor]:
+    """``smt_walk_backward_reference``; ``saved``: the inputs. Absent gradients are
+    empty tensors."""
+    w1 = saved[0]
+    assert w1 is not None
+    options = (residual, dot, eta_scale, generators, chunk, period)
+    if w1.device.type == "cuda":
+        from hope.memory.ops.triton_walk import smt_walk_backward_triton
+
+        out = smt_walk_backward_triton(tuple(saved), options, tuple(grads))
+    else:
+        out = smt_walk_backward_reference(tuple(saved), options, tuple(grads))
+    return [w1.new_empty(0) if t is None else t for t in out]
+
+
+@smt_walk_backward.register_fake
+def _(
+    saved: list[Tensor | None],
+    residual: bool,
+    dot: bool,
+    eta_scale: float,
+    generators: int,
+    chunk: int,
+    period: int,
+    grads: list[Tensor | None],
+) -> list[Tensor]:
+    w1 = saved[0]
+    assert w1 is not None
+    return [w1.new_empty(0) if t is None else torch.empty_like(t) for t in saved[:7]]
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: WalkResult) -> None:
+    *tensors, residual, dot, eta_scale, generators, chunk, period = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.options = (residual, dot, eta_scale, generators, chunk, period)
+    ctx.present = [t is not None for t in tensors]
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+    out = smt_walk_backward(list(ctx.saved_tensors), *ctx.options, list(grads))
+    g = [*out, None]  # w1, w2, x, query, r1, r2, alpha_bias; scale gets none
+    given = [
+        t if here and t is not None and t.numel() else None
+        for t, here in zip(g, ctx.present, strict=True)
+    ]
+    return (*given, *([None] * 6))
+
+
+smt_walk.register_autograd(_backward, setup_context=_setup)
