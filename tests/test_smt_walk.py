@@ -45,13 +45,19 @@ def walk_inputs(
     return (w1, w2, x, query, r1, r2, rand(h), flags.repeat_interleave(h)), g
 
 
-def chained_steps(inputs: tuple[Any, ...], g: int, size: int, period: int) -> tuple[Any, ...]:
-    """The walk's outputs from one ``hope::smt_step`` per chunk, as the SMT ran them."""
+def chained_steps(
+    inputs: tuple[Any, ...], g: int, size: int, period: int, cut: int = 0
+) -> tuple[Any, ...]:
+    """The walk's outputs from one ``hope::smt_step`` per chunk, as the SMT runs them;
+    ``cut``: the state detached after every ``cut`` chunks (teach pass A's pieces)."""
     w1, w2, x, query, r1, r2, bias, scale = inputs
     carried = bias.expand(x.shape[0], -1)
     pending: tuple[Any, Any] = (None, None)
     reads, out = [], ()
     for c in range(x.shape[2] // size):
+        if cut and c and c % cut == 0:
+            w1, w2 = w1.detach(), w2.detach()
+            r1, r2 = (None, None) if r1 is None else (r1.detach(), r2.detach())
         flush = r1 is not None and c % period == period - 1
         span = slice(c * size, (c + 1) * size)
         q = None if query is None else query[:, :, span]
@@ -65,19 +71,31 @@ def chained_steps(inputs: tuple[Any, ...], g: int, size: int, period: int) -> tu
     return (*out[:4], torch.cat(reads, dim=2), *out[7:11], out[11])
 
 
-@pytest.mark.parametrize(("own", "adaptive"), [(False, False), (False, True), (True, False)])
-def test_walk_equals_the_chunk_steps_it_runs(own: bool, adaptive: bool) -> None:
+WALKS = [  # M_mem apart or in the stack, adaptive q, kept forward, a cut every N chunks
+    (False, False, False, 0), (False, True, False, 0), (True, False, False, 0),
+    (False, False, True, 0), (False, False, True, 3), (True, True, True, 2),
+    (False, True, False, 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("own", "adaptive", "keep", "cut"), WALKS)
+def test_walk_equals_the_chunk_steps_it_runs(
+    own: bool, adaptive: bool, keep: bool, cut: int
+) -> None:
     """Outputs bit for bit and every input's gradient (all outputs probed, and the reads
-    alone) equal the chained ``hope::smt_step`` calls; one launch each way against N."""
+    alone) equal the chained ``hope::smt_step`` calls, the state detached at each cut;
+    the forward kept or rerun; one launch each way against N."""
     period = 1 if own else 3
     inputs, g = walk_inputs(own, adaptive, chunks=6)
     bias = inputs[6]
     with LaunchCounter() as forward:
         got = smt_walk(*inputs[:6], bias.expand(2, -1), inputs[7], False, False, 0.3, g, 4,
-                       period)  # fmt: skip
+                       period, cut, keep)  # fmt: skip
+    kept = [t for j, t in enumerate(got[10:]) if not (own and j in (2, 3))]  # M_mem's: none
+    assert len(got) == 16 and all(t.numel() > 0 for t in kept) == keep
     with LaunchCounter() as steps:
-        want = chained_steps(inputs, g, 4, period)
-    for x_, y_ in zip(got, want, strict=True):
+        want = chained_steps(inputs, g, 4, period, cut)
+    for x_, y_ in zip(got, want, strict=False):
         torch.testing.assert_close(x_, y_, rtol=0, atol=0)
     leaves = [t for t in inputs[:7] if t is not None]
     present = [j for j, y in enumerate(want) if y.numel()]
@@ -87,10 +105,11 @@ def test_walk_equals_the_chunk_steps_it_runs(own: bool, adaptive: bool) -> None:
         chosen = [probes[present.index(j)] for j in outputs]
         with LaunchCounter() as backward:
             got_grads = torch.autograd.grad([got[j] for j in outputs], leaves, chosen,
-                                            retain_graph=True)  # fmt: skip
+                                            retain_graph=True, allow_unused=True)  # fmt: skip
         want_grads = torch.autograd.grad([want[j] for j in outputs], leaves, chosen,
-                                         retain_graph=True)  # fmt: skip
-        for x_, y_ in zip(got_grads, want_grads, strict=True):
+                                         retain_graph=True, allow_unused=True)  # fmt: skip
+        for x_, y_, like in zip(got_grads, want_grads, leaves, strict=True):
+            x_, y_ = (torch.zeros_like(like) if t is None else t for t in (x_, y_))
             torch.testing.assert_close(x_, y_, rtol=1e-12, atol=1e-14)
     # backward: the walk's, and b_alpha's gradient summed over the batch (its expand)
     assert (forward.count, backward.count) == (1, 2)
@@ -98,19 +117,25 @@ def test_walk_equals_the_chunk_steps_it_runs(own: bool, adaptive: bool) -> None:
 
 
 def test_walk_fakes_distinct_outputs_and_checks_its_span() -> None:
-    """What compile and CUDA graphs trace: one storage per output. A span that is not
-    whole periods of whole chunks is refused, naming the sizes."""
+    """What compile and CUDA graphs trace: one storage per output, the kept forward's
+    shapes those of the reference. A span that is not whole periods of whole chunks,
+    or cuts inside a period, are refused, naming the sizes."""
     inputs, g = walk_inputs(False, False, chunks=4)
     real = [None if t is None else t.detach() for t in inputs]
     real[6] = real[6].expand(2, -1)
+    kept = smt_walk(*real, False, False, 0.3, g, 4, 2, 0, True)
     with FakeTensorMode() as fake_mode:
         args = [None if t is None else fake_mode.from_tensor(t) for t in real]
-        traced = torch.ops.hope.smt_walk.default(*args, False, False, 0.3, g, 4, 2)
-        storages = {StorageWeakRef(t.untyped_storage()) for t in traced}
-    assert len(storages) == len(traced) == 10
+        for keep in (False, True):
+            traced = torch.ops.hope.smt_walk.default(*args, False, False, 0.3, g, 4, 2, 0, keep)
+            storages = {StorageWeakRef(t.untyped_storage()) for t in traced}
+            assert len(storages) == len(traced) == 16
+    assert [t.shape for t in traced] == [t.shape for t in kept]
     assert traced[4].shape == (2, 3, 16, 8)
     with pytest.raises(ValueError, match="16 tokens are not whole periods of 3 chunks of 4"):
-        smt_walk(*real[:6], real[6], real[7], False, False, 0.3, g, 4, 3)
+        smt_walk(*real, False, False, 0.3, g, 4, 3, 0, False)
+    with pytest.raises(ValueError, match="a cut every 3 chunks is not after whole periods"):
+        smt_walk(*real, False, False, 0.3, g, 4, 2, 3, False)
 
 
 def _smt(overrides: dict[str, Any]) -> SelfModifyingTitans:

@@ -470,9 +470,10 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     return errors
 
 
-# A walk of chunk steps (M_mem in the stack, adaptive q, dot loss, chunks, period): M_mem
-# apart written every second chunk, and in the stack every chunk.
-WALK_CASES = [(False, False, False, 4, 2), (True, True, True, 2, 1)]
+# A walk of chunk steps (M_mem in the stack, adaptive q, dot loss, chunks, period, the
+# forward kept, a cut every N chunks): M_mem apart written every second chunk, its
+# forward rerun in backward; in the stack, written every chunk, kept, a cut.
+WALK_CASES = [(False, False, False, 4, 2, False, 0), (True, True, True, 3, 1, True, 2)]
 
 
 def walk_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
@@ -480,7 +481,7 @@ def walk_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
     runs (the same arithmetic) and, but for the increments, against its reference; the
     backward against its reference, with every gradient and with the reads' alone."""
     errors = {}
-    for own, adaptive, dot, chunks, period in WALK_CASES:
+    for own, adaptive, dot, chunks, period, keep, cut in WALK_CASES:
         gen = torch.Generator().manual_seed(chunks + 10 * own)
 
         def rand(*shape: int, scale: float = 1.0, gen: torch.Generator = gen) -> torch.Tensor:
@@ -505,7 +506,7 @@ def walk_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         )
         options = (False, dot, 0.7, g, c, period)
         name = f"walk_{'own' if own else 'apart'}_N{chunks}_{str(dtype)[6:]}"
-        got = smt_walk_triton(inputs, options)
+        got = smt_walk_triton(inputs, options, keep)
         distinct_storages(f"{name} forward", got)
         steps, pending, state = [], (None, None), list(inputs[:2]) + list(mem)
         for k in range(chunks):
@@ -525,10 +526,10 @@ def walk_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         want = smt_walk_reference(inputs, options)
         kept = [j for j in (0, 1, 4, 5, 6, 9) if want[j].numel()]  # not the increments
         errors[f"{name}_forward"] = worst(tuple(got[j] for j in kept), tuple(want[j] for j in kept))
-        grads = tuple(rand_like(w, gen) if w.numel() else None for w in want)
+        grads = tuple(rand_like(w, gen) if w.numel() else None for w in want[:10])
         for label, given in (("", grads), ("_reads", (None,) * 4 + grads[4:5] + (None,) * 5)):
-            got_g = smt_walk_backward_triton(inputs, options, given)
-            ref = smt_walk_backward_reference(inputs, options, given)
+            got_g = smt_walk_backward_triton((*inputs, *got[10:]), options, given, cut)
+            ref = smt_walk_backward_reference(inputs, options, given, cut)
             pairs = [(a, r) for a, r in zip(got_g, ref, strict=True) if r is not None]
             errors[f"{name}_backward{label}"] = worst(*zip(*pairs, strict=True))
     return errors

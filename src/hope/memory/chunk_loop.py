@@ -18,11 +18,12 @@ between chunks). Three decisions about that loop are made here, once:
 
 The memory supplies the step ``(carry, first token, chunk) -> (carry, read)``, which must leave
 its input carry as it was (a checkpointed segment reruns from it), and the carry,
-which knows how to detach itself. It may supply a walk too, ``(carry, chunks) ->
-(carry, reads) or None``: a run of chunks as one operator that saves only its
-inputs and reruns in backward, so a checkpointed segment in one piece (None where
-the walk cannot take those chunks: the segment is checkpointed as above). Without
-grad a walk takes the whole call.
+which knows how to detach itself. It may supply a walk too, ``(carry, chunks,
+pieces, keep) -> (carry, reads) or None``: a run of chunks as one operator (None
+where it cannot take those chunks: they are stepped as above). A checkpointed segment
+is a walk that keeps only its inputs and reruns in backward (``keep`` False); without
+checkpointing, in teach pass A (cutting at ``pieces`` itself) and without grad the
+whole call is one walk, keeping what its backward reads (with grad).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class PieceCarry(Carry, Protocol):
 
 C = TypeVar("C", bound=Carry)
 X = TypeVar("X")
-Walk = Callable[[C, Sequence[tuple[int, X]]], tuple[C, Tensor] | None]
+Walk = Callable[[C, Sequence[tuple[int, X]], PieceGrid | None, bool], tuple[C, Tensor] | None]
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,18 @@ def run_chunks(
     cuts already bound what a graph holds)."""
     span = policy.checkpoint_chunks
     grad = torch.is_grad_enabled()
-    if walk is not None and pieces is None and not grad:
-        walked = walk(carry, chunks)
+    checkpointed = span and pieces is None and grad
+    # a walk's graph holds every write: no truncation inside one
+    walks = walk is not None and (policy.write_grad == "full" or not grad)
+    if walks and not checkpointed:
+        walked = walk(carry, chunks, pieces, grad)  # type: ignore[misc]
         if walked is not None:
             return walked[0], [walked[1]]
-    if not (span and pieces is None and grad):
+    if not checkpointed:
         return _segment(step, policy, pieces, carry, chunks)
     reads: list[Tensor] = []
-    walks = walk is not None and policy.write_grad == "full"  # no detach inside a walk
     for first in range(0, len(chunks), span):
-        walked = walk(carry, chunks[first : first + span]) if walks else None  # type: ignore[misc]
+        walked = walk(carry, chunks[first : first + span], None, False) if walks else None  # type: ignore[misc]
         if walked is not None:
             carry = walked[0]
             reads.append(walked[1])

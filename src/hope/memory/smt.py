@@ -319,9 +319,12 @@ class SelfModifyingTitans(nn.Module):
             return self._chunk_step(carry, start, xq, loop)
 
         def walk(
-            carry: ChunkCarry, run: Sequence[tuple[int, ChunkInputs]]
+            carry: ChunkCarry,
+            run: Sequence[tuple[int, ChunkInputs]],
+            grid: PieceGrid | None,
+            keep: bool,
         ) -> tuple[ChunkCarry, Tensor] | None:
-            return fused_walk(self, carry, run, loop, (heads, queries))
+            return fused_walk(self, carry, run, loop, (heads, queries), grid, keep)
 
         walks = walk if loop.step_bias is not None else None
         carry, reads = run_chunks(step, carry, chunks, self.policy, pieces, walks)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from hope.memory.ops.smt_step import smt_step
 from hope.memory.ops.smt_walk import smt_walk
+from hope.memory.pieces import PieceGrid
 from hope.memory.smt_state import CallPlan, ChunkCarry, ChunkInputs, Generated, join_generated
 
 if TYPE_CHECKING:
@@ -98,11 +99,15 @@ def fused_walk(
     chunks: Sequence[tuple[int, ChunkInputs]],
     loop: CallPlan,
     inputs: ChunkInputs,
+    pieces: PieceGrid | None,
+    keep: bool,
 ) -> tuple[ChunkCarry, Tensor] | None:
     """``chunks`` as one ``hope::smt_walk`` (the chunk loop's walk, ``chunk_loop``), or
     None unless they are whole periods of M_mem's write of complete chunks, none
-    pending. ``inputs``: the call's x~ and x~ W_q [B, H, T, d_h], which the chunks
-    cut; the walk reads its span of them in place."""
+    pending, and, with teach pass A's ``pieces``, start a piece whose length is whole
+    periods. ``inputs``: the call's x~ and x~ W_q [B, H, T, d_h], which the chunks cut;
+    the walk reads its span of them in place. ``keep``: the walk keeps what its
+    backward reads, else reruns its forward there."""
     cfg, size = smt.cfg, smt.cfg.chunk
     group, flush = loop.plan[0], loop.flush
     period = 1 if group is flush else cfg.mem_chunk // size
@@ -111,7 +116,15 @@ def fused_walk(
         return None
     if not chunks or not whole or len(chunks) % period:
         return None
-    span = slice(chunks[0][0], chunks[0][0] + len(chunks) * size)
+    start = chunks[0][0]
+    cut = 0 if pieces is None else pieces.size // size
+    if pieces is not None:
+        aligned = pieces.size % size == 0 and (start + pieces.offset) % pieces.size == 0
+        if not aligned or cut % period:
+            return None
+        if pieces.piece_of(carry.live_from) != pieces.piece_of(start):
+            carry = carry.cut_at(start)
+    span = slice(start, start + len(chunks) * size)
     x, query = (None if t is None else t[:, :, span] for t in inputs)
     assert x is not None
     fast = carry.stacks[group.key]
@@ -124,7 +137,7 @@ def fused_walk(
         fast.w1, fast.w2, x.to(work), None if query is None else query.to(work),
         None if mem is None else mem.w1, None if mem is None else mem.w2, bias, scale,
         residual is True, cfg.objective == "dot", cfg.eta_scale, len(group.generators), size,
-        period,
+        period, cut, keep,
     )  # fmt: skip
     carry = carry.copy()
     carry.stacks[group.key] = fast.with_weights(*out[:4])
@@ -132,5 +145,8 @@ def fused_walk(
     if mem is not None:
         carry.stacks[flush.key] = mem.with_weights(*out[5:9])
         carry.pending, carry.pending_len, carry.packed = [], 0, None
+    if pieces is not None:  # live from the last piece's start, as its cut left it
+        last = chunks[-1][0]
+        carry.live_from = max(carry.live_from, last - (last + pieces.offset) % pieces.size)
     carry.chunks_done += len(chunks)
     return carry, out[4]

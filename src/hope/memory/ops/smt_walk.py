@@ -12,10 +12,15 @@ M_mem's write, starting with none pending: R = C_m / C_o chunks each) from one c
   from the last chunk to the first, each chunk's output gradients the next one's
   input gradients.
 
-Only the inputs are saved for backward, so a walk is one checkpointed segment of the
-chunk loop (``chunk_loop``): the same values and gradients as the segment's chunk
-steps, in one launch each way on CUDA (``triton_walk.py``) instead of 3N. Elsewhere
-the chunk steps' PyTorch forms in a loop, which is this operator's reference.
+By default only the inputs are saved for backward, so a walk is one checkpointed
+segment of the chunk loop (``chunk_loop``): the same values and gradients as the
+segment's chunk steps, in one launch each way on CUDA (``triton_walk.py``) instead of
+3N. With ``keep`` the forward keeps every chunk's input state instead (as the chunk
+steps' own graph would) and the backward does not rerun it. With ``cut`` = K no
+gradient crosses from a chunk to the next one's state after every K chunks: teach
+pass A's piece cuts (MECHANISMS §8.3b), K chunks a piece; b_alpha's carried copy is
+not cut, as ``ChunkCarry.cut_at`` leaves it. Elsewhere the chunk steps' PyTorch forms
+in a loop, which is this operator's reference.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_reference
 
@@ -32,9 +38,17 @@ from hope.memory.ops.smt_step import smt_step_backward_reference, smt_step_refer
 WalkInputs = tuple[Tensor | None, ...]
 # W1', W2', inc1, inc2 of the stack after the last chunk; the reads [B, H, N*C, O];
 # M_mem's W1', W2', inc1, inc2 after its last write (empty when it is in the stack);
-# alpha_bias carried
-WalkResult = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+# alpha_bias carried; then, with ``keep``, what the backward reads (``KEPT``), else empty
+WalkResult = tuple[  # sixteen tensors, as the operator's schema states them
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+    Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+]  # fmt: skip
 WalkOptions = tuple[bool, bool, float, int, int, int]  # + chunk C, period R (chunks)
+# The kept forward: chunk c's input stack [N, B, G*H, O, M] and [N, B, G*H, M, I] and
+# M_mem [N, B, H, O, M] and [N, B, H, M, I] (slot 0 unused: chunk 0's are the inputs),
+# and its rows and gates, dense [B, H, P + C, 3, I] and [B, H, P + C, 2] from the start
+# of slot c of [N, B*H*C_m*3*I] and [N, B*H*C_m*2]
+KEPT = 6
 # a chunk step's inputs and flush flag, and the rows and gates it output
 StepRecord = tuple[tuple[Tensor | None, ...], bool, Tensor, Tensor]
 
@@ -67,30 +81,61 @@ def _walk(
     return (*out[:4], torch.cat(reads, dim=2), *out[7:])
 
 
-def smt_walk_reference(inputs: WalkInputs, options: WalkOptions) -> tuple[Tensor, ...]:
+def _kept(inputs: WalkInputs, records: list[StepRecord]) -> list[Tensor]:
+    """The ``KEPT`` tensors from the steps' records, laid out as the kernels keep them."""
+    x = inputs[2]
+    assert x is not None
+    b, h, _, i = x.shape
+    tokens = b * h * records[-1][2].shape[2]  # the flushing chunk's rows: C_m tokens
+    kept = []
+    for j in (0, 1, 4, 5):
+        first = records[0][0][j]
+        if first is None:
+            kept.append(x.new_empty(0))
+            continue
+        later = [step[j] for step, *_ in records[1:]]
+        kept.append(torch.stack([torch.zeros_like(first), *later]))  # type: ignore[list-item]
+    for width, held in ((3 * i, [r[2] for r in records]), (2, [r[3] for r in records])):
+        flat = [F.pad(t.reshape(-1), (0, tokens * width - t.numel())) for t in held]
+        kept.append(torch.stack(flat))
+    return kept
+
+
+def smt_walk_reference(
+    inputs: WalkInputs, options: WalkOptions, keep: bool = False
+) -> tuple[Tensor, ...]:
     """The forward in PyTorch ops (module docstring)."""
-    return _walk(inputs, options)
+    records: list[StepRecord] | None = [] if keep else None
+    out = _walk(inputs, options, records)
+    x = inputs[2]
+    assert x is not None
+    if records is None:
+        return (*out, *(x.new_empty(0) for _ in range(KEPT)))
+    return (*out, *_kept(inputs, records))
 
 
 def smt_walk_backward_reference(
-    inputs: WalkInputs, options: WalkOptions, grads: tuple[Tensor | None, ...]
+    inputs: WalkInputs, options: WalkOptions, grads: tuple[Tensor | None, ...], cut: int = 0
 ) -> tuple[Tensor | None, ...]:
     """d(w1, w2, x, query, r1, r2, alpha_bias) given d(outputs) (None where zero): the
     forward again with every step's inputs kept, then the steps' backwards last to
-    first (``smt_step_backward_reference``)."""
+    first (``smt_step_backward_reference``), none but b_alpha's crossing a cut after
+    every ``cut`` chunks."""
     x, query = inputs[2], inputs[3]
     residual, dot, eta_scale, generators, size, _ = options
     assert x is not None
     records: list[StepRecord] = []
     with torch.no_grad():
         _walk(inputs, options, records)
-    g_w1, g_w2, g_inc1, g_inc2, g_read, g_m1, g_m2, g_minc1, g_minc2, g_bias = grads
+    g_w1, g_w2, g_inc1, g_inc2, g_read, g_m1, g_m2, g_minc1, g_minc2, g_bias = grads[:10]
     chained: list[Tensor | None] = [g_w1, g_w2, g_m1, g_m2, g_bias, None, None]
     d_x = torch.empty_like(x)
     d_query = None if query is None else torch.empty_like(query)
     for c in range(len(records) - 1, -1, -1):
         step, flush, rows, gates = records[c]
         last = c == len(records) - 1
+        if cut and not last and (c + 1) % cut == 0:  # the next chunk's state was detached
+            chained[:4] = [None] * 4
         step_grads = (
             chained[0], chained[1], g_inc1 if last else None, g_inc2 if last else None,
             chained[5], chained[6], _chunk(g_read, c, size), chained[2], chained[3],
@@ -109,8 +154,9 @@ def smt_walk_backward_reference(
     return (chained[0], chained[1], d_x, d_query, chained[2], chained[3], chained[4])
 
 
-def walk_check(inputs: WalkInputs, options: WalkOptions) -> None:
-    """The walk's shapes: whole periods of whole chunks, R = 1 when M_mem is in the stack."""
+def walk_check(inputs: WalkInputs, options: WalkOptions, cut: int) -> None:
+    """The walk's shapes: whole periods of whole chunks, R = 1 when M_mem is in the
+    stack, cuts after whole periods."""
     x, r1 = inputs[2], inputs[4]
     size, period = options[4], options[5]
     assert x is not None
@@ -120,6 +166,8 @@ def walk_check(inputs: WalkInputs, options: WalkOptions) -> None:
         )
     if r1 is None and period != 1:
         raise ValueError("smt_walk: M_mem in the stack is written every chunk (period 1)")
+    if cut < 0 or cut % period:
+        raise ValueError(f"smt_walk: a cut every {cut} chunks is not after whole periods")
 
 
 @torch.library.custom_op("hope::smt_walk", mutates_args=())
@@ -138,18 +186,21 @@ def smt_walk(
     generators: int,
     chunk: int,
     period: int,
+    cut: int,
+    keep: bool,
 ) -> WalkResult:
     """N = T / ``chunk`` chunk steps of ``hope::smt_step`` (its arguments, x and query
     [B, H, T, I] holding every chunk; no tokens pending at the start), M_mem apart
-    written every ``period`` chunks. -> ``WalkResult``."""
+    written every ``period`` chunks; ``cut`` and ``keep`` as in the module docstring
+    (``cut`` is the backward's: 0 for none). -> ``WalkResult``."""
     inputs = (w1, w2, x, query, r1, r2, alpha_bias, scale)
     options = (residual, dot, eta_scale, generators, chunk, period)
-    walk_check(inputs, options)
+    walk_check(inputs, options, cut)
     if w1.device.type == "cuda":
         from hope.memory.ops.triton_walk import smt_walk_triton
 
-        return smt_walk_triton(inputs, options)  # type: ignore[return-value]
-    return smt_walk_reference(inputs, options)  # type: ignore[return-value]
+        return smt_walk_triton(inputs, options, keep)  # type: ignore[return-value]
+    return smt_walk_reference(inputs, options, keep)  # type: ignore[return-value]
 
 
 @smt_walk.register_fake
@@ -168,6 +219,8 @@ def _(
     generators: int,
     chunk: int,
     period: int,
+    cut: int,
+    keep: bool,
 ) -> WalkResult:
     b, h, t, _ = x.shape
     weights = [torch.empty_like(w) for w in (w1, w2, w1, w2)]
@@ -175,7 +228,12 @@ def _(
     if r1 is not None and r2 is not None:
         mem = [torch.empty_like(w) for w in (r1, r2, r1, r2)]
     read = x.new_empty(b, h, t, w1.shape[-2])
-    return (*weights, read, *mem, torch.empty_like(alpha_bias))  # type: ignore[return-value]
+    kept = [x.new_empty(0) for _ in range(KEPT)]
+    if keep:
+        n, held = t // chunk, b * h * chunk * period
+        kept = [x.new_empty(0) if w is None else w.new_empty(n, *w.shape) for w in (w1, w2, r1, r2)]
+        kept += [x.new_empty(n, held * 3 * x.shape[-1]), x.new_empty(n, held * 2)]
+    return (*weights, read, *mem, torch.empty_like(alpha_bias), *kept)  # type: ignore[return-value]
 
 
 @torch.library.custom_op("hope::smt_walk_backward", mutates_args=())
@@ -187,19 +245,20 @@ def smt_walk_backward(
     generators: int,
     chunk: int,
     period: int,
+    cut: int,
     grads: list[Tensor | None],
 ) -> list[Tensor]:
-    """``smt_walk_backward_reference``; ``saved``: the inputs. Absent gradients are
-    empty tensors."""
+    """``smt_walk_backward_reference``; ``saved``: the inputs, then the ``KEPT``
+    forward (empty: rerun it). Absent gradients are empty tensors."""
     w1 = saved[0]
     assert w1 is not None
     options = (residual, dot, eta_scale, generators, chunk, period)
     if w1.device.type == "cuda":
         from hope.memory.ops.triton_walk import smt_walk_backward_triton
 
-        out = smt_walk_backward_triton(tuple(saved), options, tuple(grads))
-    else:
-        out = smt_walk_backward_reference(tuple(saved), options, tuple(grads))
+        out = smt_walk_backward_triton(tuple(saved), options, tuple(grads), cut)
+    else:  # the reference reruns the forward whether or not it was kept
+        out = smt_walk_backward_reference(tuple(saved[:8]), options, tuple(grads), cut)
     return [w1.new_empty(0) if t is None else t for t in out]
 
 
@@ -212,6 +271,7 @@ def _(
     generators: int,
     chunk: int,
     period: int,
+    cut: int,
     grads: list[Tensor | None],
 ) -> list[Tensor]:
     w1 = saved[0]
@@ -220,21 +280,22 @@ def _(
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: WalkResult) -> None:
-    *tensors, residual, dot, eta_scale, generators, chunk, period = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.options = (residual, dot, eta_scale, generators, chunk, period)
+    *tensors, residual, dot, eta_scale, generators, chunk, period, cut, _ = inputs
+    ctx.save_for_backward(*tensors, *output[-KEPT:])
+    ctx.options = (residual, dot, eta_scale, generators, chunk, period, cut)
     ctx.present = [t is not None for t in tensors]
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-    out = smt_walk_backward(list(ctx.saved_tensors), *ctx.options, list(grads))
+    # the kept forward's outputs get no gradient: nothing outside the walk reads them
+    out = smt_walk_backward(list(ctx.saved_tensors), *ctx.options, list(grads[:-KEPT]))
     g = [*out, None]  # w1, w2, x, query, r1, r2, alpha_bias; scale gets none
     given = [
         t if here and t is not None and t.numel() else None
         for t, here in zip(g, ctx.present, strict=True)
     ]
-    return (*given, *([None] * 6))
+    return (*given, *([None] * 8))
 
 
 smt_walk.register_autograd(_backward, setup_context=_setup)

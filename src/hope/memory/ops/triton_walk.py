@@ -66,7 +66,7 @@ def _walk(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
 @triton.jit
 def _smt_walk_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
                   w1_out, w2_out, inc1_out, inc2_out, read_out, m1_out, m2_out, mi1_out,
-                  mi2_out, bias_out, s_w1, s_w2, s_r1, s_r2, s_rows, s_gates, N,
+                  mi2_out, bias_out, s_w1, s_w2, s_r1, s_r2, s_rows, s_gates, N, SLOTS,
                   W1_N, W2_N, R1_N, R2_N, ROWS_N, GATES_N,
                   H, GH, C, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
                   Q_SB, Q_SH, Q_SC, Q_SD, eta_scale, PERIOD,
@@ -77,7 +77,7 @@ def _smt_walk_fwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   EPS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     _walk(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr, w1_out, w2_out,
           inc1_out, inc2_out, read_out, m1_out, m2_out, mi1_out, mi2_out, bias_out, s_w1, s_w2,
-          s_r1, s_r2, s_rows, s_gates, N, 2, W1_N, W2_N, R1_N, R2_N, ROWS_N, GATES_N,
+          s_r1, s_r2, s_rows, s_gates, N, SLOTS, W1_N, W2_N, R1_N, R2_N, ROWS_N, GATES_N,
           H, GH, C, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD, Q_SB, Q_SH, Q_SC, Q_SD,
           eta_scale, PERIOD, FLUSH_AT, HAS_QUERY, OWN_READ, HAS_SCALE, RESIDUAL, DOT_LOSS,
           CP, CMP, IP, OP, BLOCK_M, SQUARINGS, MSQUARINGS, EPS, DOT)  # fmt: skip
@@ -110,7 +110,7 @@ def _smt_walk_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   gw1_ptr, gw2_ptr, gi1_ptr, gi2_ptr, gread_ptr, gm1_ptr, gm2_ptr, gmi1_ptr,
                   gmi2_ptr, gbias_ptr, zi1_ptr, zi2_ptr, zmi1_ptr, zmi2_ptr,
                   c_w1, c_w2, c_r1, c_r2, c_rows, c_gates, c_bias,
-                  dw1_ptr, dw2_ptr, dx_ptr, dquery_ptr, dr1_ptr, dr2_ptr, dbias_ptr, N,
+                  dw1_ptr, dw2_ptr, dx_ptr, dquery_ptr, dr1_ptr, dr2_ptr, dbias_ptr, N, CUT,
                   W1_N, W2_N, R1_N, R2_N, ROWS_N, GATES_N,
                   H, GH, C, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD,
                   Q_SB, Q_SH, Q_SC, Q_SD, G_SB, G_SH, G_SC, G_SD, eta_scale,
@@ -122,14 +122,15 @@ def _smt_walk_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
                   HAS_GMI2: tl.constexpr, HAS_GBIAS: tl.constexpr, CP: tl.constexpr,
                   CMP: tl.constexpr, IP: tl.constexpr, OP: tl.constexpr, BLOCK_M: tl.constexpr,
                   SQUARINGS: tl.constexpr, MSQUARINGS: tl.constexpr, EPS: tl.constexpr,
-                  DOT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # The forward again, every chunk's input state and rows kept (slot c).
-    _walk(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr, f_w1, f_w2,
-          f_inc1, f_inc2, f_read, f_m1, f_m2, f_mi1, f_mi2, f_bias, s_w1, s_w2, s_r1, s_r2,
-          s_rows, s_gates, N, N, W1_N, W2_N, R1_N, R2_N, ROWS_N, GATES_N,
-          H, GH, C, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD, Q_SB, Q_SH, Q_SC, Q_SD,
-          eta_scale, PERIOD, FLUSH_AT, HAS_QUERY, OWN_READ, HAS_SCALE, RESIDUAL, DOT_LOSS,
-          CP, CMP, IP, OP, BLOCK_M, SQUARINGS, MSQUARINGS, EPS, DOT)  # fmt: skip
+                  DOT: tl.constexpr, BLOCK: tl.constexpr,
+                  RECOMPUTE: tl.constexpr):  # fmt: skip
+    if RECOMPUTE:  # the forward again, every chunk's input state and rows kept (slot c)
+        _walk(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr, f_w1, f_w2,
+              f_inc1, f_inc2, f_read, f_m1, f_m2, f_mi1, f_mi2, f_bias, s_w1, s_w2, s_r1,
+              s_r2, s_rows, s_gates, N, N, W1_N, W2_N, R1_N, R2_N, ROWS_N, GATES_N,
+              H, GH, C, I, O, M, BIAS_STRIDE, X_SB, X_SH, X_SC, X_SD, Q_SB, Q_SH, Q_SC, Q_SD,
+              eta_scale, PERIOD, FLUSH_AT, HAS_QUERY, OWN_READ, HAS_SCALE, RESIDUAL,
+              DOT_LOSS, CP, CMP, IP, OP, BLOCK_M, SQUARINGS, MSQUARINGS, EPS, DOT)  # fmt: skip
     head = tl.program_id(0).to(tl.int64)  # b * H + h
     b, h = head // H, head % H
     B = tl.num_programs(0) // H
@@ -149,6 +150,13 @@ def _smt_walk_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
         first, last = c == 0, c == N - 1
         held = (j + 2) * C  # the next chunk's rows: this one's, pending there
         rows_given = j < PERIOD - 1  # else they were M_mem's, written in this chunk
+        if ((c + 1) % CUT == 0) & (c < N - 1):  # a piece cut: the next chunk's state detached
+            _fill_head(c_w1 + after * W1_N, c_w1, head, b, h, H, GH, O * M, False, BLOCK)
+            _fill_head(c_w2 + after * W2_N, c_w2, head, b, h, H, GH, M * I, False, BLOCK)
+            if not OWN_READ:
+                _fill(c_r1 + after * R1_N + head * O * M, c_r1, O * M, False, BLOCK)
+                _fill(c_r2 + after * R2_N + head * M * I, c_r2, M * I, False, BLOCK)
+            tl.debug_barrier()
         _smt_step_bwd(
             tl.where(first, w1_ptr, s_w1 + c * W1_N),
             tl.where(first, w2_ptr, s_w2 + c * W2_N),
@@ -201,12 +209,18 @@ def _walk_sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> 
 
 
 def _slots(inputs: tuple[Tensor | None, ...], sizes: dict[str, Any], count: int) -> list[Tensor]:
-    """``count`` slots of the stack's, M_mem's, the rows' and the gates' states."""
+    """``count`` slots of the stack's, M_mem's (empty when it is in the stack), the rows'
+    and the gates' states (``smt_walk.KEPT``)."""
     w1, w2, x, _, r1, r2 = inputs[:6]
     assert w1 is not None and w2 is not None and x is not None
-    mem = [x if t is None else t.new_empty(count, *t.shape) for t in (r1, r2)]
-    held = [x.new_empty(count * sizes[n]) for n in ("ROWS_N", "GATES_N")]
+    mem = [x.new_empty(0) if t is None else t.new_empty(count, *t.shape) for t in (r1, r2)]
+    held = [x.new_empty(count, sizes[n]) for n in ("ROWS_N", "GATES_N")]
     return [w1.new_empty(count, *w1.shape), w2.new_empty(count, *w2.shape), *mem, *held]
+
+
+def _pointers(tensors: list[Tensor], x: Tensor) -> list[Tensor]:
+    """Empty tensors replaced by x (a pointer the kernel never reads)."""
+    return [x if not t.numel() else t for t in tensors]
 
 
 def _outputs(inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
@@ -227,29 +241,34 @@ def _flat_inputs(inputs: tuple[Tensor | None, ...]) -> list[Tensor]:
 
 
 def smt_walk_triton(
-    inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]
+    inputs: tuple[Tensor | None, ...], options: tuple[Any, ...], keep: bool = False
 ) -> tuple[Tensor, ...]:
-    """``hope::smt_walk`` in one kernel launch."""
+    """``hope::smt_walk`` in one kernel launch; ``keep``: every chunk's input state in
+    the slots returned (``smt_walk.KEPT``), else two slots, not returned."""
     x = inputs[2]
     assert x is not None
     sizes = _walk_sizes(inputs, options)
     out = _outputs(inputs)
     flat = _flat_inputs(inputs)
+    slots = _slots(inputs, sizes, sizes["N"] if keep else 2)
     _smt_walk_fwd[(x.shape[0] * x.shape[1],)](
-        *flat, *(flat[2] if not t.numel() else t for t in out), *_slots(inputs, sizes, 2),
-        **sizes,
+        *flat, *_pointers(out, x), *_pointers(slots, x), SLOTS=slots[0].shape[0], **sizes
     )  # fmt: skip
-    return tuple(out)
+    return (*out, *(slots if keep else [x.new_empty(0) for _ in slots]))
 
 
 def smt_walk_backward_triton(
-    saved: tuple[Tensor | None, ...], options: tuple[Any, ...], grads: tuple[Tensor | None, ...]
+    saved: tuple[Tensor | None, ...],
+    options: tuple[Any, ...],
+    grads: tuple[Tensor | None, ...],
+    cut: int = 0,
 ) -> tuple[Tensor | None, ...]:
-    """``hope::smt_walk_backward`` in one kernel launch; ``saved``: the inputs."""
+    """``hope::smt_walk_backward`` in one kernel launch; ``saved``: the inputs, then the
+    kept forward (``smt_walk.KEPT``; empty: the kernel reruns it)."""
     w1, w2, x, query, r1, r2 = saved[:6]
     assert w1 is not None and w2 is not None and x is not None
-    sizes = _walk_sizes(saved, options)
-    flat = _flat_inputs(saved)
+    sizes = _walk_sizes(saved[:8], options)
+    flat = _flat_inputs(saved[:8])
     given = [g is not None and g.numel() > 0 for g in grads]
     # The read's gradient is read through its strides, the others dense.
     g_flat = [x if g is None or not g.numel() else g if j == 4 else g.contiguous()
@@ -267,15 +286,18 @@ def smt_walk_backward_triton(
     d_query = None if query is None else x.new_empty(x.shape)
     outs = [w1.new_empty(w1.shape), w2.new_empty(w2.shape), x.new_empty(x.shape), d_query, *mem,
             x.new_empty(x.shape[:2])]  # fmt: skip
-    chain = _slots(saved, sizes, 2)
+    chain = _pointers(_slots(saved, sizes, 2), x)
     chain.append(x.new_empty(2 * x.shape[0] * x.shape[1]))
+    kept = [t for t in saved[8:] if t is not None]
+    recompute = not kept or not kept[0].numel()
+    if recompute:
+        kept = _slots(saved, sizes, sizes["N"])
     flags = ("HAS_GW1", "HAS_GW2", "HAS_GI1", "HAS_GI2", "HAS_GREAD", "HAS_GM1", "HAS_GM2",
              "HAS_GMI1", "HAS_GMI2", "HAS_GBIAS")  # fmt: skip
     _smt_walk_bwd[(x.shape[0] * x.shape[1],)](
-        *flat, *(flat[2] if not t.numel() else t for t in _outputs(saved)),
-        *_slots(saved, sizes, sizes["N"]), *g_flat, *zeros, *chain,
-        *(x if t is None else t for t in outs),
+        *flat, *_pointers(_outputs(saved), x), *_pointers(kept, x), *g_flat, *zeros, *chain,
+        *(x if t is None else t for t in outs), CUT=cut or sizes["N"],
         **{f: here for f, here in zip(flags, given, strict=True)}, **sizes,
-        **_strides("G", g_read), BLOCK=256,
+        **_strides("G", g_read), BLOCK=256, RECOMPUTE=recompute,
     )  # fmt: skip
     return tuple(outs)
