@@ -53,7 +53,7 @@ from hope.memory.residual_mlp import (
     stacked_apply,
 )
 from hope.memory.smt_frozen import frozen_segment, segment_reads
-from hope.memory.smt_fused import fused_chunk_step, fused_walk, write_pending
+from hope.memory.smt_fused import fused_chunk_step, fused_walk, span_views, write_pending
 from hope.memory.smt_state import (
     CallPlan,
     ChunkCarry,
@@ -318,13 +318,15 @@ class SelfModifyingTitans(nn.Module):
         def step(carry: ChunkCarry, start: int, xq: ChunkInputs) -> tuple[ChunkCarry, Tensor]:
             return self._chunk_step(carry, start, xq, loop)
 
+        spans = span_views((heads, queries))
+
         def walk(
             carry: ChunkCarry,
             run: Sequence[tuple[int, ChunkInputs]],
             grid: PieceGrid | None,
             keep: bool,
         ) -> tuple[ChunkCarry, Tensor] | None:
-            return fused_walk(self, carry, run, loop, (heads, queries), grid, keep)
+            return fused_walk(self, carry, run, loop, spans, grid, keep)
 
         walks = walk if loop.step_bias is not None else None
         carry, reads = run_chunks(step, carry, chunks, self.policy, pieces, walks)

@@ -13,7 +13,7 @@ from the same pending tokens (``write_pending`` is the per-operator one).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,15 +98,15 @@ def fused_walk(
     carry: ChunkCarry,
     chunks: Sequence[tuple[int, ChunkInputs]],
     loop: CallPlan,
-    inputs: ChunkInputs,
+    inputs: Callable[[int, int], ChunkInputs],
     pieces: PieceGrid | None,
     keep: bool,
 ) -> tuple[ChunkCarry, Tensor] | None:
     """``chunks`` as one ``hope::smt_walk`` (the chunk loop's walk, ``chunk_loop``), or
     None unless they are whole periods of M_mem's write of complete chunks, none
     pending, and, with teach pass A's ``pieces``, start a piece whose length is whole
-    periods. ``inputs``: the call's x~ and x~ W_q [B, H, T, d_h], which the chunks cut;
-    the walk reads its span of them in place. ``keep``: the walk keeps what its
+    periods. ``inputs(start, tokens)``: the call's x~ and x~ W_q [B, H, tokens, d_h]
+    from token ``start`` on (``span_views``), read in place. ``keep``: the walk keeps what its
     backward reads, else reruns its forward there."""
     cfg, size = smt.cfg, smt.cfg.chunk
     group, flush = loop.plan[0], loop.flush
@@ -124,8 +124,7 @@ def fused_walk(
             return None
         if pieces.piece_of(carry.live_from) != pieces.piece_of(start):
             carry = carry.cut_at(start)
-    span = slice(start, start + len(chunks) * size)
-    x, query = (None if t is None else t[:, :, span] for t in inputs)
+    x, query = inputs(start, len(chunks) * size)
     assert x is not None
     fast = carry.stacks[group.key]
     work = fast.w1.dtype
@@ -150,3 +149,27 @@ def fused_walk(
         carry.live_from = max(carry.live_from, last - (last + pieces.offset) % pieces.size)
     carry.chunks_done += len(chunks)
     return carry, out[4]
+
+
+def span_views(inputs: ChunkInputs) -> Callable[[int, int], ChunkInputs]:
+    """Views of the call's x~ and x~ W_q [B, H, T, d_h] over [start, start + tokens): the
+    tensors themselves for the whole call, one piece of a split of the call into spans
+    of that length when it starts one (one gradient join for all of them in backward,
+    not a zero-filled slice and a sum per walk), else a slice."""
+    splits: dict[int, list[ChunkInputs]] = {}
+
+    def view(start: int, tokens: int) -> ChunkInputs:
+        x, query = inputs
+        if start == 0 and tokens == x.shape[2]:
+            return x, query
+        if start % tokens:
+            span = slice(start, start + tokens)
+            return x[:, :, span], None if query is None else query[:, :, span]
+        if tokens not in splits:
+            parts = [t.split(tokens, dim=2) for t in (x, query) if t is not None]
+            splits[tokens] = [
+                (p[0], p[1] if len(p) > 1 else None) for p in zip(*parts, strict=True)
+            ]
+        return splits[tokens][start // tokens]
+
+    return view
