@@ -7,10 +7,10 @@ again in the checkpointed recompute. This operator walks N chunks (whole periods
 M_mem's write, starting with none pending: R = C_m / C_o chunks each) from one carry:
 
   forward: chunk after chunk, each chunk step reading the state the last one wrote;
-  backward: the forward again, every chunk's input state kept (what activation
-  checkpointing of the same segment would rerun), then the chunk steps' backwards
-  from the last chunk to the first, each chunk's output gradients the next one's
-  input gradients.
+  backward: every chunk's input state (kept by the forward, or the forward again:
+  what activation checkpointing of the same segment would rerun), then the chunk
+  steps' backwards from the last chunk to the first, each chunk's output gradients
+  the next one's input gradients.
 
 By default only the inputs are saved for backward, so a walk is one checkpointed
 segment of the chunk loop (``chunk_loop``): the same values and gradients as the
@@ -282,6 +282,7 @@ def _(
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: WalkResult) -> None:
     *tensors, residual, dot, eta_scale, generators, chunk, period, cut, _ = inputs
     ctx.save_for_backward(*tensors, *output[-KEPT:])
+    ctx.mark_non_differentiable(*output[-KEPT:])
     ctx.options = (residual, dot, eta_scale, generators, chunk, period, cut)
     ctx.present = [t is not None for t in tensors]
     ctx.set_materialize_grads(False)

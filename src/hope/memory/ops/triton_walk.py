@@ -6,11 +6,12 @@ States between chunks live in slot buffers [S, ...] with the stack's and M_mem's
 flat layouts: chunk c reads slot c mod S (the walk's inputs for c = 0) and writes
 slot c + 1 mod S (the walk's outputs for the last chunk), a barrier between chunks
 (each thread of the program stored part of what the next chunk reads). The forward
-keeps two slots; the backward first walks forward again keeping every chunk's input
-state and rows (S = N), then walks back through the chunk step's backward body,
-whose output gradients of chunk c are the input gradients chunk c + 1 stored: two
-slots again, the last chunk's filled first with the walk's output gradients (zeros
-where none). Tested on a CPU with ``TRITON_INTERPRET=1`` against
+keeps two slots, or every chunk's input state and rows (S = N) when asked to keep
+them for backward; the backward walks forward again keeping them unless they were
+kept, then walks back through the chunk step's backward body, whose output gradients
+of chunk c are the input gradients chunk c + 1 stored: two slots again, the last
+chunk's filled first with the walk's output gradients (zeros where none), zeroed
+again after each piece cut. Tested on a CPU with ``TRITON_INTERPRET=1`` against
 ``smt_walk_reference`` and its backward.
 """
 
@@ -39,7 +40,9 @@ def _walk(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, scale_ptr,
           MSQUARINGS: tl.constexpr, EPS: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """The N chunk steps, chunk c's input state in slot c mod SLOTS (module docstring);
     chunk j of each period holds j C pending tokens and flushes them at FLUSH_AT."""
-    for c in range(0, N):
+    wide = tl.program_id(0).to(tl.int64) * 0  # slot offsets in int64: N slots pass 2^31
+    for step in range(0, N):
+        c = step + wide
         j = c % PERIOD
         here, after, before = c % SLOTS, (c + 1) % SLOTS, (c + SLOTS - 1) % SLOTS
         first, last = c == 0, c == N - 1
@@ -144,7 +147,7 @@ def _smt_walk_bwd(w1_ptr, w2_ptr, x_ptr, query_ptr, r1_ptr, r2_ptr, bias_ptr, sc
     _fill(c_bias + top * B * H + head, gbias_ptr + head, 1, HAS_GBIAS, BLOCK)
     tl.debug_barrier()
     for back in range(0, N):
-        c = N - 1 - back
+        c = N - 1 - back + head * 0  # int64, as the slot offsets need
         j = c % PERIOD
         here, after = c % 2, (c + 1) % 2
         first, last = c == 0, c == N - 1
