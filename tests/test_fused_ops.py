@@ -616,6 +616,8 @@ FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
     [
         ("hope", {}),
         ("hope", {"smt_adaptive_q": True, "smt_mem_chunk": 8}),
+        ("hope", {"cms_periods": [16, 32]}),
+        ("hope", {"cms_periods": [16, 32], "smt_checkpoint_chunks": 4}),
         ("hope", FROZEN),
         ("titans_mac", {}),
         ("titans_mac", {"titans_persistent": 0, "titans_chunk": 10}),
@@ -626,6 +628,8 @@ FROZEN = {"smt_chunk": 16, "smt_mem_chunk": 16, "smt_read_chunk": 4}
     ids=[
         "hope",
         "hope-adaptive_q-one_group",
+        "hope-walked",
+        "hope-walked-checkpointed",
         "hope-frozen_reads",
         "titans_mac",
         "titans_mac-no_persistent-partial_segment",

@@ -19,10 +19,10 @@ between chunks). Three decisions about that loop are made here, once:
 The memory supplies the step ``(carry, first token, chunk) -> (carry, read)``, which must leave
 its input carry as it was (a checkpointed segment reruns from it), and the carry,
 which knows how to detach itself. It may supply a walk too, ``(carry, chunks,
-pieces, keep) -> (carry, reads) or None``: a run of chunks as one operator (None
-where it cannot take those chunks: they are stepped as above). A checkpointed segment
-is a walk that keeps only its inputs and reruns in backward (``keep`` False); without
-checkpointing, in teach pass A (cutting at ``pieces`` itself) and without grad the
+pieces, keep) -> (carry, reads) or None``: a run of chunks as one operator, cutting
+at teach pass A's ``pieces`` itself (None where it cannot take those chunks: they are
+stepped as above). With checkpointing each segment is a walk that keeps only its
+inputs and reruns in backward (``keep`` False), teach pass A's too; otherwise the
 whole call is one walk, keeping what its backward reads (with grad).
 """
 
@@ -108,30 +108,34 @@ def run_chunks(
     """Step the memory over ``chunks`` ((first token, the chunk's inputs) each) from
     ``carry``; returns the final carry and the reads (one per chunk, or per walk).
 
-    Checkpointed segments run only with grad enabled and outside pass A (whose piece
-    cuts already bound what a graph holds)."""
-    span = policy.checkpoint_chunks
+    Checkpointed segments run only with grad enabled; pass A's chunk steps are not
+    checkpointed (its piece cuts already bound what their graph holds), its walks are."""
     grad = torch.is_grad_enabled()
-    checkpointed = span and pieces is None and grad
+    span = policy.checkpoint_chunks if grad else 0
     # a walk's graph holds every write: no truncation inside one
     walks = walk is not None and (policy.write_grad == "full" or not grad)
-    if walks and not checkpointed:
+    if walks and not span:
         walked = walk(carry, chunks, pieces, grad)  # type: ignore[misc]
         if walked is not None:
             return walked[0], [walked[1]]
-    if not checkpointed:
+    if not span or (pieces is not None and not walks):
         return _segment(step, policy, pieces, carry, chunks)
     reads: list[Tensor] = []
     for first in range(0, len(chunks), span):
-        walked = walk(carry, chunks[first : first + span], None, False) if walks else None  # type: ignore[misc]
+        segment = chunks[first : first + span]
+        walked = walk(carry, segment, pieces, False) if walks else None  # type: ignore[misc]
         if walked is not None:
             carry = walked[0]
             reads.append(walked[1])
             continue
+        if pieces is not None:
+            carry, out = _segment(step, policy, pieces, carry, segment)
+            reads += out
+            continue
         # No RNG to replay (no op of a memory step draws random numbers); stashing
         # it would read the CUDA generator's state, which a CUDA graph cannot capture.
         carry, out = checkpoint(
-            _segment, step, policy, pieces, carry, chunks[first : first + span],
+            _segment, step, policy, pieces, carry, segment,
             use_reentrant=False, preserve_rng_state=False,
         )  # fmt: skip
         reads += out
