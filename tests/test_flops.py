@@ -77,6 +77,35 @@ def test_blocked_dual_read_term_is_the_counted_difference(rule: dict[str, object
     assert counted < 0
 
 
+def test_executed_flops_add_what_checkpointing_reruns() -> None:
+    """Checkpointed SMT segments rerun the SMT's forward once; checkpointed blocks rerun
+    every block's forward, both teach passes' for HOPE; both at once add both. A
+    checkpointed Titans memory reruns its forward; the useful count never changes."""
+    cfg = dataclasses.replace(CFG, n_layers=3)
+    base = flops.executed_training_flops_per_token(cfg, 64)
+    layer, smt = flops.layer_forward_flops(cfg, 64)
+    runs = {
+        "segments": (dataclasses.replace(cfg, smt_checkpoint_chunks=4), 3 * smt),
+        "blocks": (dataclasses.replace(cfg, checkpoint_blocks=True), 3 * 2 * layer),
+        "both": (dataclasses.replace(cfg, checkpoint_blocks=True, smt_checkpoint_chunks=4),
+                 3 * 2 * layer + 3 * smt),
+    }  # fmt: skip
+    for name, (checkpointed, rerun) in runs.items():
+        assert flops.executed_training_flops_per_token(checkpointed, 64) == pytest.approx(
+            base + rerun
+        ), name
+        assert flops.training_flops_per_token(checkpointed, 64) == (
+            flops.training_flops_per_token(cfg, 64)
+        )
+    titans = dataclasses.replace(cfg, variant="titans_lmm")
+    _, memory = flops.layer_forward_flops(titans, 64)
+    rerun = dataclasses.replace(titans, titans_checkpoint_chunks=2)
+    assert flops.executed_training_flops_per_token(rerun, 64) == pytest.approx(
+        flops.executed_training_flops_per_token(titans, 64) + 3 * memory
+    )
+    assert smt > 0 and memory > 0
+
+
 def test_executed_flops_add_the_dual_read_per_layer() -> None:
     cfg = dataclasses.replace(CFG, n_layers=3)
     useful = flops.training_flops_per_token(cfg, 64)

@@ -39,8 +39,9 @@ backward to the level outputs only) ≈ 2× forward.
 
 Executed work beyond that (``executed_training_flops_per_token``, the compute term of
 ``hope.bench.projection``): the CMS dual read's [T, F] score products
-(``cms_dual_read_flops``), which grow with the context and which the useful count leaves
-out. MFU stays on the useful count.
+(``cms_dual_read_flops``), which grow with the context, and the forward work that
+activation checkpointing runs again in backward (``recompute_flops_per_token``); the
+useful count leaves both out. MFU stays on the useful count.
 """
 
 from __future__ import annotations
@@ -181,11 +182,28 @@ def cms_dual_read_flops(cfg: ModelConfig, seq_len: int) -> float:
     return total / seq_len
 
 
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Per token, one training step: the forward work activation checkpointing runs
+    again in backward. ``model.checkpoint_blocks``: every block's forward, for HOPE's
+    teach passes both passes' (pass A's forward is one forward's worth); the memory's
+    chunk loop (``smt_checkpoint_chunks``, ``titans_checkpoint_chunks``): its forward,
+    once (a rerun block's checkpointed segments rerun within its backward; pass B's
+    for the SMT: under ``memory_backend=fused`` teach pass A's SMT walks rerun too,
+    which this leaves out)."""
+    layer, memory = layer_forward_flops(cfg, seq_len)
+    teach = cfg.variant in ("hope", "hope_attention") and cfg.cms_mode != "static"
+    total = cfg.n_layers * layer * (2 if teach else 1) if cfg.checkpoint_blocks else 0.0
+    chunk_loop = cfg.smt_checkpoint_chunks if cfg.variant == "hope" else 0
+    if cfg.variant.startswith("titans"):
+        chunk_loop = cfg.titans_checkpoint_chunks
+    return total + (cfg.n_layers * memory if chunk_loop else 0.0)
+
+
 def executed_training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """``training_flops_per_token`` plus the work of the implementation's forms that
-    the useful count leaves out (the CMS dual read)."""
+    the useful count leaves out: the CMS dual read and checkpointing's reruns."""
     extra = cfg.n_layers * cms_dual_read_flops(cfg, seq_len)
-    return training_flops_per_token(cfg, seq_len) + extra
+    return training_flops_per_token(cfg, seq_len) + extra + recompute_flops_per_token(cfg, seq_len)
 
 
 def peak_bf16_flops(device_name: str | None) -> float | None:
