@@ -14,7 +14,7 @@ from the same pending tokens (``write_pending`` is the per-operator one).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,9 +22,17 @@ from torch import Tensor
 from hope.memory.ops.smt_step import smt_step
 from hope.memory.ops.smt_walk import smt_walk
 from hope.memory.pieces import PieceGrid
-from hope.memory.smt_state import CallPlan, ChunkCarry, ChunkInputs, Generated, join_generated
+from hope.memory.smt_state import (
+    CallPlan,
+    ChunkCarry,
+    ChunkInputs,
+    Generated,
+    MemoryGroup,
+    join_generated,
+)
 
 if TYPE_CHECKING:
+    from hope.memory.residual_mlp import FastWeights
     from hope.memory.smt import SelfModifyingTitans
 
 
@@ -56,6 +64,29 @@ def _packed(carry: ChunkCarry, work: torch.dtype) -> tuple[Tensor, Tensor] | Non
     return rows, torch.stack((gen.eta, gen.alpha), dim=-1).to(work)
 
 
+class _Operands(NamedTuple):
+    """What ``hope::smt_step`` and ``hope::smt_walk`` take from the carry."""
+
+    group: MemoryGroup  # the written stack: the generators first, M_mem last when C_o = C_m
+    fast: FastWeights
+    mem: FastWeights | None  # M_mem apart (C_o < C_m), else None
+    scale: Tensor | None
+    residual: bool
+    bias: Tensor  # b_alpha [B, H]: the call's, or the copy the last step carried
+
+
+def _operands(
+    smt: SelfModifyingTitans, carry: ChunkCarry, loop: CallPlan, bias: Tensor
+) -> _Operands:
+    group, flush = loop.plan[0], loop.flush
+    fast = carry.stacks[group.key]
+    residual = smt._residual(group)
+    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
+    mem = None if group is flush else carry.stacks[flush.key]
+    carried = bias.to(fast.w1.dtype) if carry.bias is None else carry.bias
+    return _Operands(group, fast, mem, scale, residual is True, carried)
+
+
 def fused_chunk_step(
     smt: SelfModifyingTitans, carry: ChunkCarry, xq: ChunkInputs, loop: CallPlan, bias: Tensor
 ) -> tuple[ChunkCarry, Tensor]:
@@ -64,19 +95,14 @@ def fused_chunk_step(
     b_alpha expanded to [B, H] once per call (the first step's input; later steps take
     the copy the previous one carried)."""
     xc, query = xq
-    group, flush = loop.plan[0], loop.flush  # the generators first; M_mem last when C_o = C_m
-    fast = carry.stacks[group.key]
-    work = fast.w1.dtype
-    residual = smt._residual(group)
-    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
-    mem = None if group is flush else carry.stacks[flush.key]
+    group, fast, mem, scale, residual, bias = _operands(smt, carry, loop, bias)
+    flush, work = loop.flush, fast.w1.dtype
     pending = None if mem is None else _packed(carry, work)
     writes_mem = mem is not None and carry.pending_len + xc.shape[2] == smt.cfg.mem_chunk
-    bias = bias.to(work) if carry.bias is None else carry.bias
     out = smt_step(
         fast.w1, fast.w2, xc.to(work), None if query is None else query.to(work),
         None if mem is None else mem.w1, None if mem is None else mem.w2, bias, scale,
-        *(pending or (None, None)), residual is True, smt.cfg.objective == "dot",
+        *(pending or (None, None)), residual, smt.cfg.objective == "dot",
         smt.cfg.eta_scale, len(group.generators), writes_mem,
     )  # fmt: skip
     carry.stacks[group.key] = fast.with_weights(*out[:4])
@@ -109,8 +135,7 @@ def fused_walk(
     from token ``start`` on (``span_views``), read in place. ``keep``: the walk keeps what its
     backward reads, else reruns its forward there."""
     cfg, size = smt.cfg, smt.cfg.chunk
-    group, flush = loop.plan[0], loop.flush
-    period = 1 if group is flush else cfg.mem_chunk // size
+    period = 1 if loop.plan[0] is loop.flush else cfg.mem_chunk // size
     whole = all(xq[0].shape[2] == size for _, xq in chunks)
     if loop.step_bias is None or carry.partial is not None or carry.pending_len:
         return None
@@ -125,24 +150,19 @@ def fused_walk(
         if pieces.piece_of(carry.live_from) != pieces.piece_of(start):
             carry = carry.cut_at(start)
     x, query = inputs(start, len(chunks) * size)
-    assert x is not None
-    fast = carry.stacks[group.key]
+    group, fast, mem, scale, residual, bias = _operands(smt, carry, loop, loop.step_bias)
     work = fast.w1.dtype
-    residual = smt._residual(group)
-    scale = residual.reshape(-1) if isinstance(residual, Tensor) else None
-    mem = None if group is flush else carry.stacks[flush.key]
-    bias = loop.step_bias.to(work) if carry.bias is None else carry.bias
     out = smt_walk(
         fast.w1, fast.w2, x.to(work), None if query is None else query.to(work),
         None if mem is None else mem.w1, None if mem is None else mem.w2, bias, scale,
-        residual is True, cfg.objective == "dot", cfg.eta_scale, len(group.generators), size,
+        residual, cfg.objective == "dot", cfg.eta_scale, len(group.generators), size,
         period, cut, keep,
     )  # fmt: skip
     carry = carry.copy()
     carry.stacks[group.key] = fast.with_weights(*out[:4])
     carry.bias = out[9]
     if mem is not None:
-        carry.stacks[flush.key] = mem.with_weights(*out[5:9])
+        carry.stacks[loop.flush.key] = mem.with_weights(*out[5:9])
         carry.pending, carry.pending_len, carry.packed = [], 0, None
     if pieces is not None:  # live from the last piece's start, as its cut left it
         last = chunks[-1][0]

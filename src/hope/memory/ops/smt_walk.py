@@ -51,6 +51,7 @@ WalkOptions = tuple[bool, bool, float, int, int, int]  # + chunk C, period R (ch
 KEPT = 6
 # a chunk step's inputs and flush flag, and the rows and gates it output
 StepRecord = tuple[tuple[Tensor | None, ...], bool, Tensor, Tensor]
+StepCall = tuple[tuple[Tensor | None, ...], bool]  # a chunk step's inputs and flush flag
 
 
 def _chunk(t: Tensor | None, c: int, size: int) -> Tensor | None:
@@ -114,25 +115,60 @@ def smt_walk_reference(
     return (*out, *_kept(inputs, records))
 
 
+def _kept_steps(
+    inputs: WalkInputs, options: WalkOptions, kept: tuple[Tensor, ...]
+) -> list[StepCall]:
+    """Every chunk step's inputs and flush flag read back from the ``KEPT`` forward."""
+    w1, w2, x, query, r1, r2, bias, scale = inputs
+    size, period = options[4], options[5]
+    assert x is not None
+    b, h, _, i = x.shape
+    steps: list[StepCall] = []
+    for c in range(x.shape[2] // size):
+        j = c % period
+        state = (w1, w2, r1, r2) if c == 0 else tuple(
+            None if t is None else kept[k][c] for k, t in enumerate((w1, w2, r1, r2))
+        )  # fmt: skip
+        pending: tuple[Tensor | None, Tensor | None] = (None, None)
+        if r1 is not None and j:  # the last chunk's rows and gates, j C tokens
+            held = b * h * j * size
+            rows, gates = kept[4][c - 1], kept[5][c - 1]
+            pending = (rows[: held * 3 * i].view(b, h, j * size, 3, i),
+                       gates[: held * 2].view(b, h, j * size, 2))  # fmt: skip
+        step = (state[0], state[1], _chunk(x, c, size), _chunk(query, c, size), state[2],
+                state[3], bias, scale, *pending)  # fmt: skip
+        steps.append((step, r1 is not None and j == period - 1))
+    return steps
+
+
 def smt_walk_backward_reference(
-    inputs: WalkInputs, options: WalkOptions, grads: tuple[Tensor | None, ...], cut: int = 0
+    inputs: WalkInputs,
+    options: WalkOptions,
+    grads: tuple[Tensor | None, ...],
+    cut: int = 0,
+    kept: tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor | None, ...]:
-    """d(w1, w2, x, query, r1, r2, alpha_bias) given d(outputs) (None where zero): the
-    forward again with every step's inputs kept, then the steps' backwards last to
-    first (``smt_step_backward_reference``), none but b_alpha's crossing a cut after
-    every ``cut`` chunks."""
+    """d(w1, w2, x, query, r1, r2, alpha_bias) given d(outputs) (None where zero): every
+    step's inputs (from the ``kept`` forward, else the forward again), then the steps'
+    backwards last to first (``smt_step_backward_reference``), none but b_alpha's
+    crossing a cut after every ``cut`` chunks."""
     x, query = inputs[2], inputs[3]
     residual, dot, eta_scale, generators, size, _ = options
     assert x is not None
-    records: list[StepRecord] = []
-    with torch.no_grad():
-        _walk(inputs, options, records)
+    records: list[StepCall]
+    if kept is not None:
+        records = _kept_steps(inputs, options, kept)
+    else:
+        ran: list[StepRecord] = []
+        with torch.no_grad():
+            _walk(inputs, options, ran)
+        records = [(step, flush) for step, flush, _, _ in ran]
     g_w1, g_w2, g_inc1, g_inc2, g_read, g_m1, g_m2, g_minc1, g_minc2, g_bias = grads[:10]
     chained: list[Tensor | None] = [g_w1, g_w2, g_m1, g_m2, g_bias, None, None]
     d_x = torch.empty_like(x)
     d_query = None if query is None else torch.empty_like(query)
     for c in range(len(records) - 1, -1, -1):
-        step, flush, rows, gates = records[c]
+        step, flush = records[c]
         last = c == len(records) - 1
         if cut and not last and (c + 1) % cut == 0:  # the next chunk's state was detached
             chained[:4] = [None] * 4
@@ -141,7 +177,6 @@ def smt_walk_backward_reference(
             chained[5], chained[6], _chunk(g_read, c, size), chained[2], chained[3],
             g_minc1 if last else None, g_minc2 if last else None, chained[4],
         )  # fmt: skip
-        del rows, gates  # the step's backward recomputes them
         d = smt_step_backward_reference(step, (residual, dot, eta_scale, generators, flush),
                                         step_grads)  # fmt: skip
         d_x[:, :, c * size : (c + 1) * size] = d[2]  # type: ignore[assignment]
@@ -257,8 +292,10 @@ def smt_walk_backward(
         from hope.memory.ops.triton_walk import smt_walk_backward_triton
 
         out = smt_walk_backward_triton(tuple(saved), options, tuple(grads), cut)
-    else:  # the reference reruns the forward whether or not it was kept
-        out = smt_walk_backward_reference(tuple(saved[:8]), options, tuple(grads), cut)
+    else:
+        kept = tuple(t for t in saved[8:] if t is not None)  # outputs: never None
+        forward = kept if kept and kept[0].numel() else None  # empty unless kept
+        out = smt_walk_backward_reference(tuple(saved[:8]), options, tuple(grads), cut, forward)
     return [w1.new_empty(0) if t is None else t for t in out]
 
 
