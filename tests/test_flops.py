@@ -115,3 +115,32 @@ def test_executed_flops_add_the_dual_read_per_layer() -> None:
     assert flops.executed_training_flops_per_token(transformer, 64) == (
         flops.training_flops_per_token(transformer, 64)
     )
+
+
+def test_recurrent_flops_are_the_memory_recurrence_in_every_pass_that_runs_it() -> None:
+    """The share the fused backend runs in one program per (sample, head): the SMT's
+    80u (u = e·d²/H) or the Titans memory's 14u (MAC: 18u, its retrieval read too),
+    times forward + backward (3), backprop through the writes (+0.9 unless
+    stopgrad), teach pass A (+2 for HOPE) and checkpointing's reruns; none for the
+    variants without a memory recurrence. Always within the executed work."""
+    cfg = dataclasses.replace(CFG, n_layers=3)
+    unit = cfg.smt_expansion * cfg.dim**2 / cfg.n_heads
+    assert flops.recurrent_forward_flops(cfg) == 80 * unit
+    per_token = flops.recurrent_training_flops_per_token
+    assert per_token(cfg, 64) == pytest.approx(3 * 80 * unit * (3 + 0.9 + 2))
+    stopgrad = dataclasses.replace(cfg, write_grad="stopgrad")
+    assert per_token(stopgrad, 64) == pytest.approx(3 * 80 * unit * (3 + 2))
+    segments = dataclasses.replace(cfg, smt_checkpoint_chunks=4)
+    assert per_token(segments, 64) == pytest.approx(per_token(cfg, 64) + 3 * 80 * unit)
+    blocks = dataclasses.replace(cfg, checkpoint_blocks=True)
+    assert per_token(blocks, 64) == pytest.approx(per_token(cfg, 64) + 2 * 3 * 80 * unit)
+    titans_unit = cfg.titans_expansion * cfg.dim**2 / cfg.n_heads
+    for variant, reads in (("titans_lmm", 14), ("titans_mac", 18)):
+        titans = dataclasses.replace(cfg, variant=variant)
+        assert per_token(titans, 64) == pytest.approx(3 * reads * titans_unit * (3 + 0.9))
+    for variant in ("transformer", "hope_attention"):
+        assert per_token(dataclasses.replace(cfg, variant=variant), 64) == 0.0
+    for variant in ("hope", "titans_mac", "titans_mal"):
+        for checkpointed in (False, True):
+            run = dataclasses.replace(cfg, variant=variant, checkpoint_blocks=checkpointed)
+            assert 0 < per_token(run, 64) < flops.executed_training_flops_per_token(run, 64)

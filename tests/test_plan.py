@@ -146,3 +146,42 @@ def test_gathered_bytes_count_the_units_held_whole_at_once(
     total, block, _ = _sizes(model)
     kept = total - 6 * block  # embedding/head, final norm, memory inits
     assert gathered_bytes(model) == expected(kept, block)
+
+
+def test_command_plans_under_the_configured_memory_backend(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.memory_backend`` is what the plan measures under (``compile`` as
+    ``torch``, and it says so), and the process's default backend is put back. The
+    fused operators save what their own backwards read: on the tiny preset without SMT
+    checkpointing about a third of what autograd through the PyTorch ops keeps."""
+    from hope.memory.ops import dispatch
+    from hope.train import plan
+
+    argv = ["--preset", "tiny", "--gpu-mem-gb", "1", "--gpus", "2", "--lengths", "16,32,64",
+            "--set", "model.smt_checkpoint_chunks=0"]  # fmt: skip
+    measured_under: list[str] = []
+
+    def recording(*args: object) -> Activations:
+        measured_under.append(dispatch.resolve_backend(None))
+        return measure(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan, "measure", recording)
+    headers = {}
+    for backend in ("torch", "fused", "compile"):
+        assert main([*argv, "--set", f"train.memory_backend={backend}"]) == 0
+        headers[backend] = capsys.readouterr().out.split("):")[0]
+    assert measured_under == ["torch", "fused", "torch"]
+    assert headers["torch"].endswith("memory backend torch")
+    assert headers["fused"].endswith("memory backend fused")
+    assert headers["compile"].endswith("memory backend torch for compile")
+    assert dispatch.resolve_backend(None) == "torch"
+    cfg = load_config(None, ["preset=tiny", "model.smt_checkpoint_chunks=0"])
+    rows = {}
+    for backend in ("torch", "fused"):
+        dispatch.set_default_backend(backend)
+        try:
+            rows[backend] = measure(cfg, (16, 32, 64), None).per_row(128, 2)
+        finally:
+            dispatch.set_default_backend("torch")
+    assert 0.2 * rows["torch"] < rows["fused"] < 0.5 * rows["torch"]

@@ -173,6 +173,42 @@ def test_step_spends_the_executed_work_and_is_compared_with_the_useful() -> None
     assert plain["executed_flops"] == plain["flops"]
 
 
+def test_fused_recurrences_run_on_the_multiprocessors_their_programs_occupy() -> None:
+    """Under ``fused`` the memories' recurrent work runs in one program per (sample,
+    head), teach pass A's checkpointed walks rerunning theirs: at the pilot's two
+    rows of 16 heads, 32 of an H200's 132 multiprocessors, so that share costs 132/32
+    times its FLOP time; at 8 rows (mid), 128 of 132. The torch backend's batched ops
+    and a variant without a memory recurrence pay no occupancy; the floor (useful
+    work on the whole device) never changes."""
+    cfg = p.preset_model("pilot", "hope")
+    torch_row = p.project_step(cfg, 4096, 2, 1000, params=1, backend="torch")
+    fused = p.project_step(cfg, 4096, 2, 1000, params=1, backend="fused")
+    assert (torch_row["programs"], torch_row["recurrent_flops"]) == (0, 0.0)
+    assert fused["programs"] == 2 * 16
+    # the pilot checkpoints the SMT chunk loop: under fused, teach pass A's walks rerun
+    assert cfg.smt_checkpoint_chunks
+    pass_a = cfg.n_layers * flops.recurrent_forward_flops(cfg) * 2 * 4096
+    assert fused["executed_flops"] == pytest.approx(torch_row["executed_flops"] + pass_a)
+    recurrent = flops.recurrent_training_flops_per_token(cfg, 4096, fused=True) * 2 * 4096
+    assert recurrent == pytest.approx(
+        flops.recurrent_training_flops_per_token(cfg, 4096) * 2 * 4096 + pass_a
+    )
+    assert fused["recurrent_flops"] == pytest.approx(recurrent)
+    for name, sms in (("H200", 132), ("A100", 108)):
+        peak = p.DEVICES[name][0] * p.ACHIEVABLE
+        device, plain = fused["devices"][name], torch_row["devices"][name]
+        assert device["occupancy"] == pytest.approx(32 / sms) and plain["occupancy"] == 1.0
+        expected = fused["executed_flops"] - recurrent + recurrent * sms / 32
+        assert device["work_ms"] == pytest.approx(expected / peak * 1e3)
+        assert plain["work_ms"] == pytest.approx(torch_row["executed_flops"] / peak * 1e3)
+        assert device["floor_ms"] == plain["floor_ms"] < plain["work_ms"] < device["work_ms"]
+    eight = p.project_step(cfg, 4096, 8, 1000, params=1, backend="fused")["devices"]["H200"]
+    assert eight["occupancy"] == pytest.approx(128 / 132)
+    transformer = p.preset_model("pilot", "transformer")
+    none = p.project_step(transformer, 4096, 2, 1000, params=1, backend="fused")
+    assert none["programs"] == 0 and none["devices"]["H200"]["occupancy"] == 1.0
+
+
 def test_bench_report_holds_the_projection(tmp_path: Path) -> None:
     cfg = load_config(
         ROOT / "params.yaml",

@@ -42,6 +42,12 @@ Executed work beyond that (``executed_training_flops_per_token``, the compute te
 (``cms_dual_read_flops``), which grow with the context, and the forward work that
 activation checkpointing runs again in backward (``recompute_flops_per_token``); the
 useful count leaves both out. MFU stays on the useful count.
+
+Of the executed work, the memories' chunk recurrences (``recurrent_training_flops_per_
+token``: the SMT's 80u, the Titans memory's 14u and MAC's retrieval read 4u, in every
+pass that runs them) are what ``memory_backend=fused`` runs as kernels of one program
+per (sample, head), which ``hope.bench.projection`` spreads over that many
+multiprocessors only.
 """
 
 from __future__ import annotations
@@ -120,6 +126,23 @@ def layer_forward_flops(cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     raise ValueError(f"no FLOPs formula for model.variant={variant!r}")
 
 
+def recurrent_forward_flops(cfg: ModelConfig) -> float:
+    """Per token, one layer, forward: the part of ``layer_forward_flops``'s memory that
+    runs inside the memory's chunk recurrence (the SMT's 80u; the Titans memory's 14u,
+    and MAC's retrieval read M(q), 4u), not its projections."""
+    if cfg.variant == "hope":
+        return 80 * _unit(cfg, cfg.smt_expansion)
+    if not cfg.variant.startswith("titans"):
+        return 0.0
+    reads = 18 if cfg.variant == "titans_mac" else 14
+    return reads * _unit(cfg, cfg.titans_expansion)
+
+
+def _teaches(cfg: ModelConfig) -> bool:
+    """Whether a step runs HOPE's teach pass A (a second forward and backward)."""
+    return cfg.variant in ("hope", "hope_attention") and cfg.cms_mode != "static"
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size is unresolved; use a loaded Config")
@@ -134,9 +157,25 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     total = TRAIN_MULTIPLIER * forward
     if memory and cfg.write_grad != "stopgrad":
         total += WRITE_BACKPROP * TRAIN_MULTIPLIER * cfg.n_layers * memory
-    if cfg.variant in ("hope", "hope_attention") and cfg.cms_mode != "static":
+    if _teaches(cfg):
         total += PASS_A_MULTIPLIER * forward
     return total
+
+
+def recurrent_training_flops_per_token(
+    cfg: ModelConfig, seq_len: int, fused: bool = False
+) -> float:
+    """The share of ``executed_training_flops_per_token`` that the memories' chunk
+    recurrences run (``recurrent_forward_flops``), with every multiplier the executed
+    count gives a memory: forward and backward, backprop through the writes, teach
+    pass A, and checkpointing's reruns (``fused``: under ``memory_backend=fused``)."""
+    recurrent = recurrent_forward_flops(cfg)
+    per_layer = TRAIN_MULTIPLIER * recurrent
+    if cfg.write_grad != "stopgrad":
+        per_layer += WRITE_BACKPROP * TRAIN_MULTIPLIER * recurrent
+    if _teaches(cfg):
+        per_layer += PASS_A_MULTIPLIER * recurrent
+    return cfg.n_layers * per_layer + _reruns(cfg, recurrent, recurrent, fused)
 
 
 def cms_dual_read_flops(cfg: ModelConfig, seq_len: int) -> float:
@@ -182,28 +221,39 @@ def cms_dual_read_flops(cfg: ModelConfig, seq_len: int) -> float:
     return total / seq_len
 
 
-def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, fused: bool = False) -> float:
     """Per token, one training step: the forward work activation checkpointing runs
     again in backward. ``model.checkpoint_blocks``: every block's forward, for HOPE's
     teach passes both passes' (pass A's forward is one forward's worth); the memory's
     chunk loop (``smt_checkpoint_chunks``, ``titans_checkpoint_chunks``): its forward,
-    once (a rerun block's checkpointed segments rerun within its backward; pass B's
-    for the SMT: under ``memory_backend=fused`` teach pass A's SMT walks rerun too,
-    which this leaves out)."""
-    layer, memory = layer_forward_flops(cfg, seq_len)
-    teach = cfg.variant in ("hope", "hope_attention") and cfg.cms_mode != "static"
-    total = cfg.n_layers * layer * (2 if teach else 1) if cfg.checkpoint_blocks else 0.0
+    once (a rerun block's checkpointed segments rerun within its backward). That is
+    pass B's for the SMT; ``fused`` (``memory_backend=fused``, where teach pass A's
+    checkpointed segments are walks that rerun in its backward too): pass A's SMT
+    recurrence (``recurrent_forward_flops``) as well."""
+    return _reruns(cfg, *layer_forward_flops(cfg, seq_len), fused)
+
+
+def _reruns(cfg: ModelConfig, layer: float, memory: float, fused: bool) -> float:
+    """``recompute_flops_per_token`` for a layer's forward ``layer`` of which the chunk
+    loop runs ``memory``."""
+    total = cfg.n_layers * layer * (2 if _teaches(cfg) else 1) if cfg.checkpoint_blocks else 0.0
     chunk_loop = cfg.smt_checkpoint_chunks if cfg.variant == "hope" else 0
     if cfg.variant.startswith("titans"):
         chunk_loop = cfg.titans_checkpoint_chunks
+    if chunk_loop and fused and cfg.variant == "hope" and _teaches(cfg):
+        total += cfg.n_layers * recurrent_forward_flops(cfg)  # pass A's walks
     return total + (cfg.n_layers * memory if chunk_loop else 0.0)
 
 
-def executed_training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def executed_training_flops_per_token(
+    cfg: ModelConfig, seq_len: int, fused: bool = False
+) -> float:
     """``training_flops_per_token`` plus the work of the implementation's forms that
-    the useful count leaves out: the CMS dual read and checkpointing's reruns."""
+    the useful count leaves out: the CMS dual read and checkpointing's reruns
+    (``fused``: under ``memory_backend=fused``, ``recompute_flops_per_token``)."""
     extra = cfg.n_layers * cms_dual_read_flops(cfg, seq_len)
-    return training_flops_per_token(cfg, seq_len) + extra + recompute_flops_per_token(cfg, seq_len)
+    reruns = recompute_flops_per_token(cfg, seq_len, fused)
+    return training_flops_per_token(cfg, seq_len) + extra + reruns
 
 
 def peak_bf16_flops(device_name: str | None) -> float | None:

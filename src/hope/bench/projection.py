@@ -33,9 +33,20 @@ whichever is larger, plus the host time of launching its kernels:
   change no launch except the CMS read form, which is set on every level to the one
   the preset's widths choose at the preset's context (``prefers_dual_read``).
 
-Constants (``DEVICES``, ``ACHIEVABLE``, launch costs) are public figures or stated
-assumptions; ``scripts/gpu_check.sh`` measures the bench's ``pilot`` shape on a GPU
-so the projection can be checked against it.
+- occupancy, under ``memory_backend=fused``: the memories' chunk recurrences run as
+  kernels of one program per (sample, head) that walk the chunks in order
+  (``hope::smt_walk``, ``hope::smt_step``, the Titans memory's kernels), and a program
+  runs on one multiprocessor. Their share of the work
+  (``flops.recurrent_training_flops_per_token``) is paid at ACHIEVABLE of the peak of
+  min(1, rows·heads ÷ multiprocessors) of the device: at the pilot's two rows of 16
+  heads, 32 of an H200's 132. That is a bound from above on their speed (one program
+  on an SM sustaining 40% of its peak with tiles of a chunk's size is itself an
+  assumption); the batched PyTorch ops of the other backends are launch-bound long
+  before occupancy counts, so they are projected without it.
+
+Constants (``DEVICES``, ``MULTIPROCESSORS``, ``ACHIEVABLE``, launch costs) are public
+figures or stated assumptions; ``scripts/gpu_check.sh`` measures the bench's ``pilot``
+shape on a GPU so the projection can be checked against it.
 """
 
 from __future__ import annotations
@@ -76,6 +87,10 @@ ACHIEVABLE = 0.4
 # 1 ms of the host, 18.8 us each (reports/gpu_check_2026-12-04.md). A replayed CUDA
 # graph removes the host side, leaving about 1.5 us of GPU-side gap between tiny
 # kernels (assumed; not yet measured).
+# Streaming multiprocessors of the same parts (NVIDIA's architecture white papers:
+# 132 for H100 SXM5, which H200 shares; 108 for A100). A Triton program runs on one,
+# so a kernel of P programs uses at most P of them (``occupancy``).
+MULTIPROCESSORS: dict[str, int] = {"H200": 132, "H100": 132, "A100": 108}
 EAGER_LAUNCH_S = 18.8e-6
 GRAPH_LAUNCH_S = 1.5e-6
 OPTIMIZER_BYTES_PER_PARAM = 36
@@ -183,23 +198,55 @@ def fit_launches(cfg: ModelConfig, seq_len: int) -> LaunchFit:
     )
 
 
+def recurrence_programs(cfg: ModelConfig, batch: int, backend: str | None = None) -> int:
+    """Programs of a kernel that runs the memories' chunk recurrence under
+    ``backend`` (the default in force when None): one per (sample, head) for the fused
+    SMT step and walk and the Titans memory's kernels; 0 where the recurrence runs as
+    batched PyTorch ops (``torch``, ``compile``, ``fla``), which spread over the device
+    as any batched product does, or where there is none."""
+    if resolve_backend(backend) != "fused" or not flops.recurrent_forward_flops(cfg):
+        return 0
+    return batch * cfg.n_heads
+
+
+def occupancy(programs: int, multiprocessors: int) -> float:
+    """The fraction of a device's multiprocessors a kernel of ``programs`` programs can
+    keep busy (1 for 0: no such kernel)."""
+    return 1.0 if programs <= 0 else min(1.0, programs / multiprocessors)
+
+
 def project_step(
-    cfg: ModelConfig, seq_len: int, batch: int, launches: int, params: int
+    cfg: ModelConfig,
+    seq_len: int,
+    batch: int,
+    launches: int,
+    params: int,
+    backend: str | None = None,
 ) -> dict[str, Any]:
-    """Projected step of ``batch`` sequences on each device in ``DEVICES``."""
+    """Projected step of ``batch`` sequences on each device in ``DEVICES``. Under the
+    ``fused`` backend the memories' recurrent work (``flops.recurrent_training_flops_per_
+    token``) runs in kernels of ``recurrence_programs`` programs: at ACHIEVABLE of the
+    peak of the multiprocessors they occupy, not of the device."""
     tokens = batch * seq_len
     step_flops = flops.training_flops_per_token(cfg, seq_len) * tokens
-    executed = flops.executed_training_flops_per_token(cfg, seq_len) * tokens
+    fused = resolve_backend(backend) == "fused"
+    executed = flops.executed_training_flops_per_token(cfg, seq_len, fused) * tokens
+    programs = recurrence_programs(cfg, batch, backend)
+    recurrent = flops.recurrent_training_flops_per_token(cfg, seq_len, fused) * tokens
+    recurrent = recurrent if programs else 0.0
     activation_bytes = ACTIVATION_BYTES_PER_TOKEN * cfg.dim * cfg.n_layers * tokens
     step_bytes = OPTIMIZER_BYTES_PER_PARAM * params + activation_bytes
     devices = {}
     for name, (peak, bandwidth) in DEVICES.items():
         # floor: the useful work alone; work: what the step's forms execute
         floor = max(step_flops / (peak * ACHIEVABLE), step_bytes / bandwidth)
-        work = max(executed / (peak * ACHIEVABLE), step_bytes / bandwidth)
+        busy = occupancy(programs, MULTIPROCESSORS[name])
+        compute = (executed - recurrent + recurrent / busy) / (peak * ACHIEVABLE)
+        work = max(compute, step_bytes / bandwidth)
         eager, graph = work + launches * EAGER_LAUNCH_S, work + launches * GRAPH_LAUNCH_S
         devices[name] = {
             "floor_ms": floor * 1e3,
+            "occupancy": busy,
             "work_ms": work * 1e3,
             "eager_ms": eager * 1e3,
             "graph_ms": graph * 1e3,
@@ -213,6 +260,8 @@ def project_step(
         "tokens": tokens,
         "flops": step_flops,
         "executed_flops": executed,
+        "recurrent_flops": recurrent,
+        "programs": programs,
         "bytes": step_bytes,
         "launches": launches,
         "devices": devices,
@@ -294,6 +343,7 @@ def constants() -> dict[str, Any]:
         "achievable_fraction_of_peak": ACHIEVABLE,
         "eager_launch_s": EAGER_LAUNCH_S,
         "graph_launch_s": GRAPH_LAUNCH_S,
+        "multiprocessors": MULTIPROCESSORS,
         "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM,
         "activation_bytes_per_token_per_dim_per_layer": ACTIVATION_BYTES_PER_TOKEN,
     }

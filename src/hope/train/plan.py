@@ -19,6 +19,14 @@ what FSDP holds whole at once: ``gathered_bytes``). Peak = state + micro-batch x
 activations per row, times a 1.2 margin for the backward's transient gradients and
 allocator fragmentation (an assumption, stated, until a GPU measures it:
 scripts/gpu_check.sh).
+
+The memories run under the config's ``train.memory_backend`` (``planned_backend``):
+``fused`` operators save what their hand-written backwards read (a walk of SMT chunks
+keeps every chunk's state, or only its inputs when checkpointed), not what autograd
+through the PyTorch ops would, so the two plan differently. On a CPU the ``fused``
+operators run their PyTorch forms and save the same tensors as their Triton kernels.
+``fla`` and ``compile`` are planned as ``torch`` (their kernels need a GPU or save
+what inductor chooses), and the plan says so.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 
 from hope.config import Config, load_config
 from hope.errors import ConfigError
+from hope.memory.ops.dispatch import resolve_backend, set_default_backend
 from hope.model.config import ModelConfig
 from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
@@ -223,6 +232,12 @@ def make_plan(cfg: Config, acts: Activations, gpu_mem_gb: float, gpus: int, fsdp
     )
 
 
+def planned_backend(name: str) -> str:
+    """The memory backend the plan measures for ``train.memory_backend`` = ``name``:
+    itself, except ``fla`` and ``compile``, measured as ``torch`` (module docstring)."""
+    return "torch" if name in ("fla", "compile") else name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hope.train.plan", description=__doc__)
     parser.add_argument("--preset", default="pilot")
@@ -246,13 +261,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     amp = torch.bfloat16 if cfg.train.precision in ("bf16", "auto") else None
-    acts = measure(cfg, lengths, amp)  # type: ignore[arg-type]
+    backend, previous = planned_backend(cfg.train.memory_backend), resolve_backend(None)
+    set_default_backend(backend, "train.memory_backend")
+    try:
+        acts = measure(cfg, lengths, amp)  # type: ignore[arg-type]
+    finally:
+        set_default_backend(previous)
     fsdp = args.fsdp or cfg.train.parallel == "fsdp"  # the mid/target presets set it
     plan = make_plan(cfg, acts, args.gpu_mem_gb, args.gpus, fsdp)
     print(
         f"{args.preset} ({cfg.model.variant}, {plan.params / 1e6:.1f}M parameters, "
         f"T={cfg.data.seq_len}, batch {cfg.train.batch_size} on {args.gpus} GPU(s) of "
-        f"{args.gpu_mem_gb:g} GB{', FSDP' if fsdp else ''}):\n"
+        f"{args.gpu_mem_gb:g} GB{', FSDP' if fsdp else ''}, memory backend {backend}"
+        f"{'' if backend == cfg.train.memory_backend else f' for {cfg.train.memory_backend}'}"
+        "):\n"
         f"  model state {plan.state_gib:.2f} GiB per GPU"
         f"{f' + {plan.gathered_gib:.2f} GiB gathered' if fsdp else ''}; activations "
         f"{plan.activations_gib_per_row:.2f} GiB per row "
