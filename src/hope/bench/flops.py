@@ -245,9 +245,7 @@ def _reruns(cfg: ModelConfig, layer: float, memory: float, fused: bool) -> float
     return total + (cfg.n_layers * memory if chunk_loop else 0.0)
 
 
-def executed_training_flops_per_token(
-    cfg: ModelConfig, seq_len: int, fused: bool = False
-) -> float:
+def executed_training_flops_per_token(cfg: ModelConfig, seq_len: int, fused: bool = False) -> float:
     """``training_flops_per_token`` plus the work of the implementation's forms that
     the useful count leaves out: the CMS dual read and checkpointing's reruns
     (``fused``: under ``memory_backend=fused``, ``recompute_flops_per_token``)."""
