@@ -11,14 +11,15 @@
 #      (a captured and replayed training step and run equal the eager ones); compile
 #      parity (the torch.compile'd memory chunk steps equal eager ones, through
 #      inductor); the fused backend's Triton kernels against their PyTorch forms
-#      (tests/test_fused_ops.py); FLA parity where flash-linear-attention is installed,
+#      (tests/test_fused_ops.py); FLA parity where flash-linear-attention is installed;
+#      an untimed fused bench of the pilot rows that compiles their Triton kernels,
 #   2. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
 #      one process (tests/dist_variants_worker.py on CUDA),
 #   3. alone on the GPU, the bench (tokens/s, MFU, peak memory, launches, host syncs)
-#      of every variant at the pilot shape (the pilot preset's dims, 2 layers,
-#      T = 4096, batch 4) eager (hope apart, in one timed step: ~13 s eager on an
-#      H200); hope and titans_mac there with memory_backend=fused,
-#      and with the step captured as one CUDA graph (bench.cuda_graph); every variant
+#      at the pilot shape (the pilot preset's dims, 2 layers, T = 4096, batch 4) of
+#      hope and titans_mac with memory_backend=fused, and with the step captured as
+#      one CUDA graph (bench.cuda_graph); every other variant there eager (hope apart,
+#      in one timed step: ~13 s eager on an H200); every variant
 #      at pilot_chunks (launches per layer-step); the pilot shape with
 #      memory_backend=compile; HOPE's frozen-base reads compiled at pilot_frozen,
 #   4. the projection beside the measured pilot step (measured/eager and
@@ -148,8 +149,26 @@ start_part compile_parity 120 env HOPE_TEST_INDUCTOR=1 python -m pytest -v --tb=
   "${xdist[@]}" tests/test_memory_compile.py tests/test_smt.py tests/test_titans_memory.py -k compile
 # The interpreter and sm_90-compile checks and the CPU tests ran in CI: here, the
 # kernels on CUDA (one test, every kernel against its PyTorch form).
-start_part fused_parity 120 python -m pytest -v --tb=short -p no:cacheprovider -rs \
+# (240 s: it compiles every fused kernel, the SMT walks' included, in float32 first.)
+start_part fused_parity 240 python -m pytest -v --tb=short -p no:cacheprovider -rs \
   tests/test_fused_ops.py -k "on_cuda"
+# Triton compiles a kernel on its first call and keeps it in its on-disk cache: one
+# untimed bench of the fused pilot rows here (bf16, the benches' own sizes and flags)
+# compiles what the timed fused benches below run, beside the parts above, so their
+# limits are spent measuring (the SMT walk's kernels took minutes to compile for sm_90
+# on a 2-core CPU). Its report (compile included in the warm-up step) is kept too.
+warm_py=$(mktemp --suffix=.py)
+cat >"$warm_py" <<'PY'
+import sys
+from pathlib import Path
+from hope.bench.run import run_bench
+from hope.config import load_config
+sets = ["bench.device=cuda", "bench.precision=bf16", "bench.warmup=1", "bench.steps=1",
+        "bench.project_presets=[]", "bench.shapes=[pilot]", "bench.memory_backend=fused",
+        "bench.variants=[hope,titans_mac]"]
+run_bench(load_config("params.yaml", sets), Path(sys.argv[1], "bench_warm_fused.json"))
+PY
+start_part warm_fused 240 python "$warm_py" "$out"
 # FLA parity needs the fla package, which the project does not depend on (and the GPU
 # machine may have no network to fetch it): run it where it imports, say so where not.
 if python -c 'import fla' 2>/dev/null; then
@@ -158,7 +177,7 @@ else
   note "fla_parity: skipped (flash-linear-attention is not installed here)"
 fi
 wait_parts
-rm -f "$projection_py"
+rm -f "$projection_py" "$warm_py"
 
 # DDP and FSDP2 over NCCL (every variant, float64, 2 ranks == 1 process to 1e-10, the
 # FSDP units one per block): needs two GPUs; one GPU cannot hold two NCCL ranks.
@@ -190,18 +209,19 @@ bench() {  # bench NAME LIMIT OVERRIDES...: stages/bench.py into OUT_DIR/bench_N
   [ -f reports/bench.json ] && cp reports/bench.json "$out/bench_$name.json"
   [ -f reports/bench_meta.json ] && cp reports/bench_meta.json "$out/bench_${name}_meta.json"
 }
-# Most telling first: the pilot shape eager (what the projection predicts) for all but
-# hope, whose eager step takes ~13 s there (H200, 2026-12-04); hope and titans_mac with
-# the fused writes, and captured as one CUDA graph (train.cuda_graph, fused writes: the
-# projection's graph figure); launches at pilot_chunks; hope eager in one timed step
-# (measured once already); compile; frozen reads.
-bench pilot 120 --set 'bench.shapes=[pilot]' \
-  --set 'bench.variants=[transformer,hope_attention,titans_lmm,titans_mac,titans_mag,titans_mal]'
+# Most telling first: hope and titans_mac at the pilot shape with the fused writes
+# (never run on a GPU yet), and captured as one CUDA graph (train.cuda_graph, fused
+# writes: the projection's graph figure); the pilot shape eager for all but hope, whose
+# eager step takes ~13 s there (both measured on an H200, 2026-12-04); launches at
+# pilot_chunks; hope eager in one timed step (measured once already); compile; frozen
+# reads.
 bench pilot_fused 120 --set 'bench.shapes=[pilot]' \
   --set 'bench.variants=[transformer,hope,titans_mac]' --set bench.memory_backend=fused
 bench pilot_graph 120 --set 'bench.shapes=[pilot]' \
   --set 'bench.variants=[transformer,hope,titans_mac]' \
   --set bench.memory_backend=fused --set bench.cuda_graph=true --set bench.warmup=4
+bench pilot 120 --set 'bench.shapes=[pilot]' \
+  --set 'bench.variants=[transformer,hope_attention,titans_lmm,titans_mac,titans_mag,titans_mal]'
 bench pilot_chunks 150 --set 'bench.shapes=[pilot_chunks]'
 bench pilot_hope 150 --set 'bench.shapes=[pilot]' --set 'bench.variants=[hope]' \
   --set bench.steps=1
@@ -214,8 +234,8 @@ python - "$out" <<'PY' | tee -a "$summary"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-for name in ("pilot", "pilot_fused", "pilot_graph", "pilot_hope", "pilot_chunks",
-             "pilot_compile", "pilot_frozen"):
+for name in ("warm_fused", "pilot_fused", "pilot_graph", "pilot", "pilot_hope",
+             "pilot_chunks", "pilot_compile", "pilot_frozen"):
     path = out / f"bench_{name}.json"
     if not path.exists():
         print(f"{name}: no report")
@@ -254,7 +274,8 @@ for suffix, bench, mode in (("", "", "eager"), ("_fused", "_fused", "eager"),
         ratio = "-" if got is None else f"{got / h200[f'{mode}_ms']:.2f}"
         print(f"projection{suffix} {variant:15s} launches {shape['launches']:>9d} H200 eager "
               f"{h200['eager_ms']:>9.1f} ms graph {h200['graph_ms']:>8.1f} ms floor "
-              f"{h200['floor_ms']:>7.1f} ms work {h200['work_ms']:>7.1f} ms measured ({bench or 'eager'}) {got} ms  "
+              f"{h200['floor_ms']:>7.1f} ms work {h200['work_ms']:>7.1f} ms (occupancy "
+              f"{h200['occupancy']:.2f}) measured ({bench or 'eager'}) {got} ms  "
               f"measured/{mode} {ratio}")
 PY
 [ -s "$kept" ] && cp "$kept" reports/bench.json
