@@ -34,10 +34,10 @@ from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from hope.memory.config import WriteGrad
 from hope.memory.pieces import PieceGrid
+from hope.memory.recompute import checkpointed
 
 
 class Carry(Protocol):
@@ -132,12 +132,8 @@ def run_chunks(
             carry, out = _segment(step, policy, pieces, carry, segment)
             reads += out
             continue
-        # No RNG to replay (no op of a memory step draws random numbers); stashing
-        # it would read the CUDA generator's state, which a CUDA graph cannot capture.
-        carry, out = checkpoint(
-            _segment, step, policy, pieces, carry, segment,
-            use_reentrant=False, preserve_rng_state=False,
-        )  # fmt: skip
+        # The carry and the chunks' inputs held for the rerun are saved as inputs.
+        carry, out = checkpointed(_segment, step, policy, pieces, carry, segment)
         reads += out
     return carry, reads
 

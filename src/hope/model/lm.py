@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.checkpoint import checkpoint
 
 from hope.memory.deep_mlp import DeepMemoryInit
 from hope.memory.fast_state import restore_state
 from hope.memory.norm import RMSNorm
+from hope.memory.recompute import checkpointed
 from hope.memory.residual_mlp import MemoryInit
 from hope.model.config import ModelConfig
 
@@ -165,12 +165,11 @@ class LanguageModel(nn.Module):
 
     def run_block(self, fn: Callable[..., _Out], *args: Any) -> _Out:
         """``fn(*args)``: one block's work. With ``model.checkpoint_blocks`` in training
-        (grad enabled, train mode) only its inputs are kept for backward, which reruns
-        it (``torch.utils.checkpoint``, non-reentrant: autocast replayed). No op of a
-        block draws random numbers, so no RNG state is stashed: reading the CUDA
-        generator's state is what a CUDA graph cannot capture (``train.cuda_graph``)."""
+        (grad enabled, train mode) only its inputs, the tensors of its state included,
+        are kept for backward, which reruns it (``memory.recompute.checkpointed``:
+        autocast replayed, no RNG state stashed, so ``train.cuda_graph`` can capture it)."""
         if self.cfg.checkpoint_blocks and self.training and torch.is_grad_enabled():
-            return cast(_Out, checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False))
+            return checkpointed(fn, *args)
         return fn(*args)
 
     @property
