@@ -80,6 +80,10 @@ DEVICES: dict[str, tuple[float, float]] = {
 # Fraction of the peak that the matmuls of a large training step sustain (an
 # assumption, the 40% of the bench issue; well-tuned dense LMs report 40-55% MFU).
 ACHIEVABLE = 0.4
+# Streaming multiprocessors of the same parts (NVIDIA's architecture white papers:
+# 132 for H100 SXM5, which H200 shares; 108 for A100). A Triton program runs on one,
+# so a kernel of P programs uses at most P of them (``occupancy``).
+MULTIPROCESSORS: dict[str, int] = {"H200": 132, "H100": 132, "A100": 108}
 # Host time per dispatched op in an eager step: Python (the model's own code around
 # each op), dispatcher and driver. Measured, not assumed (5 us was assumed before):
 # on a lent H200 machine (torch 2.11, CUDA 13, 2026-12-04) hope's eager step at the
@@ -87,10 +91,6 @@ ACHIEVABLE = 0.4
 # 1 ms of the host, 18.8 us each (reports/gpu_check_2026-12-04.md). A replayed CUDA
 # graph removes the host side, leaving about 1.5 us of GPU-side gap between tiny
 # kernels (assumed; not yet measured).
-# Streaming multiprocessors of the same parts (NVIDIA's architecture white papers:
-# 132 for H100 SXM5, which H200 shares; 108 for A100). A Triton program runs on one,
-# so a kernel of P programs uses at most P of them (``occupancy``).
-MULTIPROCESSORS: dict[str, int] = {"H200": 132, "H100": 132, "A100": 108}
 EAGER_LAUNCH_S = 18.8e-6
 GRAPH_LAUNCH_S = 1.5e-6
 OPTIMIZER_BYTES_PER_PARAM = 36
