@@ -10,7 +10,7 @@ whichever is larger, plus the host time of launching its kernels:
   times the tokens of one micro-batch: the preset's own ``train.micro_batch_size``
   rows (``preset_micro_batch``), what ``hope train --preset P`` runs per
   forward/backward. The launches do not shrink with the rows, so a preset whose
-  memory allows few rows per forward (pilot: two, ``hope`` keeping ~17 GiB per 4K
+  memory allows few rows per forward (pilot: two, ``hope`` keeping ~22 GiB per 4K
   row) pays them for those rows alone. The floor the step is compared with
   (``floor_ms``, ``*_over_floor``) and MFU take the useful work alone
   (:func:`hope.bench.flops.training_flops_per_token`): the floor is what the model

@@ -5,7 +5,8 @@ positional arguments through ``save_for_backward`` (so saved-tensor hooks see th
 ``hope.train.plan``'s ledger, offloading hooks), anything else by a plain Python
 reference. A memory's carry or a block's state is a dataclass of tensors, so the
 tensors it holds for backward were invisible to those hooks (the SMT's stack of fast
-weights at every segment boundary, ~3 GiB per 4K row at the pilot preset).
+weights at every segment boundary: 4.8 GiB of the 21.6 GiB per 4K row that the pilot
+preset holds, docs/SCALING.md).
 ``checkpointed`` passes every tensor leaf of the arguments as an argument of its own
 and rebuilds the nesting inside: the same values, the same rerun, and what is held
 is what the hooks count.
