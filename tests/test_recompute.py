@@ -10,7 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hope.config import load_config
-from hope.memory.recompute import checkpointed, tensor_leaves, with_leaves
+from hope.memory.fast_state import tensor_leaves
+from hope.memory.recompute import checkpointed, with_leaves
 from hope.train.plan import measure, saved_bytes
 
 

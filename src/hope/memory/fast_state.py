@@ -79,7 +79,8 @@ def detach_state(state: S) -> S:
 
 
 def tensor_leaves(state: Any) -> list[Tensor]:
-    """All tensor leaves in a fixed traversal order (for tests and logging)."""
+    """All tensor leaves in a fixed traversal order (``map_tensors``'s; tests, logging and
+    ``recompute.checkpointed``)."""
     leaves: list[Tensor] = []
 
     def collect(tensor: Tensor) -> Tensor:

@@ -20,26 +20,13 @@ from typing import Any, TypeVar
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from hope.memory.fast_state import map_tensors
+from hope.memory.fast_state import map_tensors, tensor_leaves
 
 R = TypeVar("R")
 
 
-def tensor_leaves(tree: Any) -> list[Tensor]:
-    """Every tensor leaf of a nesting of dataclasses, lists, tuples and dicts, in
-    ``map_tensors`` order."""
-    found: list[Tensor] = []
-
-    def collect(t: Tensor) -> Tensor:
-        found.append(t)
-        return t
-
-    map_tensors(tree, collect)
-    return found
-
-
 def with_leaves(tree: Any, leaves: tuple[Tensor, ...] | list[Tensor]) -> Any:
-    """``tree`` with its tensor leaves replaced, in order, by ``leaves``."""
+    """``tree`` with its tensor leaves replaced, in ``tensor_leaves`` order, by ``leaves``."""
     replacements = iter(leaves)
     return map_tensors(tree, lambda _: next(replacements))
 
