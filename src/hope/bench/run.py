@@ -44,7 +44,7 @@ from hope.bench.shapes import apply_read_forms, bench_shape
 from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
 from hope.io import write_metrics
-from hope.memory.ops.dispatch import resolve_backend, set_default_backend
+from hope.memory.ops.dispatch import default_backend
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.report.environment import collect_environment
@@ -326,12 +326,8 @@ def _counting_cost(job: tuple[str, str]) -> float:
 def _project_job(preset: str, variant: str, backend: str) -> dict[str, Any]:
     """One preset's projection of ``variant`` counted under ``backend``; the process's
     default backend is restored after."""
-    before = resolve_backend(None)
-    set_default_backend(backend)
-    try:
+    with default_backend(backend):
         return projection.project_variant(preset, variant)
-    finally:
-        set_default_backend(before)
 
 
 def _outcome(run: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:

@@ -40,7 +40,7 @@ import torch
 
 from hope.config import Config, load_config
 from hope.errors import ConfigError
-from hope.memory.ops.dispatch import resolve_backend, set_default_backend
+from hope.memory.ops.dispatch import default_backend
 from hope.model.config import ModelConfig
 from hope.model.lm import LanguageModel
 from hope.model.zoo import build_model
@@ -261,12 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     amp = torch.bfloat16 if cfg.train.precision in ("bf16", "auto") else None
-    backend, previous = planned_backend(cfg.train.memory_backend), resolve_backend(None)
-    set_default_backend(backend, "train.memory_backend")
-    try:
+    backend = planned_backend(cfg.train.memory_backend)
+    with default_backend(backend, "train.memory_backend"):
         acts = measure(cfg, lengths, amp)  # type: ignore[arg-type]
-    finally:
-        set_default_backend(previous)
     fsdp = args.fsdp or cfg.train.parallel == "fsdp"  # the mid/target presets set it
     plan = make_plan(cfg, acts, args.gpu_mem_gb, args.gpus, fsdp)
     print(

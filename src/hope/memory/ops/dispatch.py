@@ -50,8 +50,9 @@ one call (the tests' naive oracles).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.util import find_spec
 from typing import Any, Literal, TypeVar, cast
 
@@ -93,6 +94,18 @@ def set_default_backend(name: str, knob: str = "memory_backend") -> None:
     if backend == "fused" and torch.cuda.is_available() and find_spec("triton") is None:
         raise ValueError(f"{knob}=fused on CUDA needs Triton (pip install triton); use torch")
     _default_backend = backend
+
+
+@contextlib.contextmanager
+def default_backend(name: str, knob: str = "memory_backend") -> Iterator[None]:
+    """``set_default_backend(name, knob)`` for the block; the previous default after."""
+    global _default_backend
+    before = _default_backend
+    set_default_backend(name, knob)
+    try:
+        yield
+    finally:
+        _default_backend = before
 
 
 def fla_missing() -> str | None:
