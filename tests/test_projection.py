@@ -320,3 +320,22 @@ def test_projections_counted_in_worker_processes_equal_the_in_process_ones() -> 
     reasons = apart_skipped["projection/nonexistent"]
     assert set(reasons) == {"transformer", "hope_attention"}
     assert all("nonexistent" in reason for reason in reasons.values()), reasons
+
+
+def test_projections_sharing_their_counts_run_as_one_task() -> None:
+    """mid and target share their narrow counting models: each variant's two jobs form
+    one task (the second reads the first's counts from the worker's cache), pilot's
+    jobs count their own, every job is in exactly one task, and a preset that does not
+    load stays a task of its own (it reports why)."""
+    variants = ["transformer", "hope"]
+    jobs = [(preset, v) for preset in ("pilot", "mid", "target", "nonexistent") for v in variants]
+    tasks = bench_run.counting_tasks(jobs)
+    assert sorted(job for task in tasks for job in task) == sorted(jobs)
+    assert sorted(map(sorted, tasks)) == sorted(
+        [[("nonexistent", v)] for v in variants]
+        + [[("pilot", v)] for v in variants]
+        + [[("mid", v), ("target", v)] for v in variants]
+    )
+    assert tasks[0][0][0] == "nonexistent"  # it fails at once, so it goes first
+    assert p.counting_group("mid", "hope") == p.counting_group("target", "hope")
+    assert p.counting_group("mid", "hope") != p.counting_group("mid", "transformer")

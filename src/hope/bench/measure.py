@@ -142,6 +142,8 @@ def writes_elements(out: Any) -> bool:
     """Whether an op's result holds any element: an op whose outputs are all empty
     (a zero-token buffer, its clone or cat) returns before launching anything on CUDA
     (TensorIterator and the matmul/cat paths check numel first)."""
+    if isinstance(out, torch.Tensor):  # most ops: no tree walk (counting is host-bound)
+        return out.numel() > 0
     return any(
         leaf.numel() > 0 for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)
     )

@@ -136,13 +136,28 @@ def counting_lengths(cfg: ModelConfig, seq_len: int = 0) -> tuple[int, int]:
 _COUNTS: dict[tuple[str, int, tuple[str, ...], str], int] = {}
 
 
+def narrow_model(cfg: ModelConfig, n_layers: int) -> ModelConfig:
+    """The counting copy of ``cfg``: its chunking and heads, ``n_layers`` layers, small
+    widths."""
+    return dataclasses.replace(
+        cfg, dim=COUNT_WIDTH_PER_HEAD * cfg.n_heads, n_layers=n_layers, vocab_size=64
+    )
+
+
+def counting_group(preset: str, variant: str) -> tuple[str, tuple[int, int], tuple[str, ...]]:
+    """What every count of ``project_variant(preset, variant)`` depends on besides the
+    backend: projections with equal groups make the same counts (mid and target)."""
+    cfg = preset_model(preset, variant)
+    seq_len = preset_seq_len(preset)
+    forms = tuple(preset_read_forms(cfg, seq_len))
+    return repr(narrow_model(cfg, 1)), counting_lengths(cfg, seq_len), forms
+
+
 def count_step_launches(
     cfg: ModelConfig, seq_len: int, n_layers: int, read_forms: list[str]
 ) -> int:
     """Kernel launches of one CPU training step (AdamW) of a narrow copy of ``cfg``."""
-    narrow = dataclasses.replace(
-        cfg, dim=COUNT_WIDTH_PER_HEAD * cfg.n_heads, n_layers=n_layers, vocab_size=64
-    )
+    narrow = narrow_model(cfg, n_layers)
     key = (repr(narrow), seq_len, tuple(read_forms), resolve_backend(None))
     if key not in _COUNTS:
         _COUNTS[key] = _count(narrow, seq_len, read_forms)

@@ -30,10 +30,10 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -54,6 +54,7 @@ from hope.train.schedule import build_scheduler
 from hope.train.step import train_step
 
 log = logging.getLogger("hope.bench")
+_Row = TypeVar("_Row")
 
 
 def check_bench_config(bench: BenchConfig) -> None:
@@ -295,17 +296,22 @@ def _project(
         for variant in cfg.bench.variants
         if variant in registered
     ]
-    results: dict[tuple[str, str], Future[dict[str, Any]]] = {}
-    if workers > 1 and jobs:
-        processes = min(workers, len(jobs))
+    tasks = counting_tasks(jobs)
+    if workers > 1 and len(tasks) > 1:
+        processes = min(workers, len(tasks))
         context = fresh_processes()
         with ProcessPoolExecutor(processes, context, torch.set_num_threads, (1,)) as pool:
-            # The longest counting contexts first, so no long count starts last.
-            for job in sorted(jobs, key=_counting_cost, reverse=True):
-                results[job] = pool.submit(_project_job, *job, backend)
-            rows = {job: _outcome(results[job].result) for job in jobs}
+            futures = [pool.submit(_project_jobs, task, backend) for task in tasks]
+            done: dict[tuple[str, str], dict[str, Any] | str] = {}
+            for task, future in zip(tasks, futures, strict=True):
+                rows_or_reason = _outcome(future.result)  # a worker that died: its reason
+                if isinstance(rows_or_reason, str):
+                    done |= {job: rows_or_reason for job in task}
+                else:
+                    done |= rows_or_reason
     else:
-        rows = {job: _outcome(functools.partial(_project_job, *job, backend)) for job in jobs}
+        done = {job: row for task in tasks for job, row in _project_jobs(task, backend).items()}
+    rows = {job: done[job] for job in jobs}  # the configured order
     presets: dict[str, dict[str, Any]] = {preset: {} for preset in cfg.bench.project_presets}
     for (preset, variant), row in rows.items():
         if isinstance(row, str):
@@ -313,6 +319,27 @@ def _project(
         else:
             presets[preset][variant] = row
     return {"constants": projection.constants(), "memory_backend": backend, "presets": presets}
+
+
+def counting_tasks(jobs: Sequence[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """The (preset, variant) projections as the tasks the workers run, longest counting
+    context first (so no long count starts last). Jobs whose counts coincide (mid and
+    target share their narrow models) form one task, run one after the other, so the
+    second reads the first's counts from the process's cache instead of recounting
+    them in another worker (the bench stage's projection: 175 -> 106 s on 2 cores)."""
+    groups: dict[object, list[tuple[str, str]]] = {}
+    for job in jobs:
+        groups.setdefault(_counting_group(job), []).append(job)
+    return sorted(groups.values(), key=lambda task: _counting_cost(task[0]), reverse=True)
+
+
+def _counting_group(job: tuple[str, str]) -> object:
+    """What the counts of a (preset, variant) projection depend on; the job itself when
+    its preset does not load (it then runs on its own and reports why)."""
+    try:
+        return projection.counting_group(*job)
+    except ConfigError:
+        return job
 
 
 def _counting_cost(job: tuple[str, str]) -> float:
@@ -323,15 +350,17 @@ def _counting_cost(job: tuple[str, str]) -> float:
         return math.inf
 
 
-def _project_job(preset: str, variant: str, backend: str) -> dict[str, Any]:
-    """One preset's projection of ``variant`` counted under ``backend``; the process's
-    default backend is restored after."""
+def _project_jobs(
+    jobs: list[tuple[str, str]], backend: str
+) -> dict[tuple[str, str], dict[str, Any] | str]:
+    """Each (preset, variant) projection counted under ``backend`` (the process's
+    default backend restored after): its row, or why it failed."""
     with default_backend(backend):
-        return projection.project_variant(preset, variant)
+        return {job: _outcome(functools.partial(projection.project_variant, *job)) for job in jobs}
 
 
-def _outcome(run: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
-    """``run()``'s row, or the reason it failed (the other projections are kept)."""
+def _outcome(run: Callable[[], _Row]) -> _Row | str:
+    """``run()``'s row(s), or the reason it failed (the other projections are kept)."""
     try:
         return run()
     except Exception as err:  # noqa: BLE001 - keep the other projections
