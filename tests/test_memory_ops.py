@@ -14,6 +14,7 @@ from hope.memory import residual_mlp
 from hope.memory.ops.chunk import chunk_dgd_update, chunk_momentum_update
 from hope.memory.ops.dispatch import dgd_write, resolve_backend
 from hope.memory.ops.naive import naive_dgd_update, naive_inner_grads, naive_momentum_update
+from hope.memory.ops.stacking import repeat_heads
 from hope.memory.residual_mlp import (
     FastWeights,
     curvature_reference,
@@ -352,3 +353,36 @@ def test_backend_errors_are_clear():
             momentum=0.0,
             backend="fla",
         )
+
+
+@pytest.mark.parametrize("precondition", [True, False])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_chunk_dgd_update_with_keys_and_decays_shared_by_stacked_members(precondition, momentum):
+    """Three memories stacked along the head axis passing the k and alpha they share
+    ([B, H_k, ...]; the Gram matrix and decay ratios formed once per head) write what
+    they write from one copy per member (float64, values and gradients: the shared
+    inputs get the sum of their copies' gradients), and each member equals its own
+    token loop."""
+    members = 3
+    x = _chunk_inputs(5, D_IN, seed=11)
+    per_member = dict(x)
+    for name in ("w1", "w2", "m1", "m2", "e", "a", "d", "eta"):  # the members' own inputs
+        gen = torch.Generator().manual_seed(len(name))
+        stacked = [x[name].detach()] + [
+            x[name].detach() * (1 + 0.3 * torch.rand(x[name].shape, generator=gen, dtype=DT))
+            for _ in range(members - 1)
+        ]
+        per_member[name] = torch.cat(stacked, 1).requires_grad_()
+    shared = dict(per_member)
+    copies = dict(
+        per_member, k=repeat_heads(x["k"], members), alpha=repeat_heads(x["alpha"], members)
+    )
+    got = _chunk(shared, precondition, momentum)
+    want = _chunk(copies, precondition, momentum)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    for g, w in zip(_grads(got, shared, 3).values(), _grads(want, shared, 3).values(), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    one = {n: t[:, H : 2 * H] if t.shape[1] == members * H else t for n, t in shared.items()}
+    for g, w in zip(got, _naive_from_factors(one, precondition, momentum), strict=True):
+        torch.testing.assert_close(g[:, H : 2 * H], w, rtol=1e-9, atol=1e-11)

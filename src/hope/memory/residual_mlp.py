@@ -294,8 +294,9 @@ class ChunkPass:
     read: Tensor | None  # [B, H, C, d_out]  M(q), when queries were given
     # [B, H, C, C] ``chunk_kernel_bound`` at k, without a graph (a stabiliser's input)
     coupling: Tensor
-    # k as the write takes it: one copy per stacked member [B, H, C, d_in], or (fused)
-    # shared by them [B, H_in, C, d_in] (``dispatch.dgd_write`` reads either)
+    # k as the write takes it, shared by the stacked members [B, H_in, C, d_in] (in the
+    # fast state's dtype under ``fused``; ``dispatch.dgd_write`` forms its Gram matrix
+    # once per head)
     keys: Tensor
 
 
@@ -325,6 +326,7 @@ def chunk_pass(
         raise ValueError("chunk_pass: give exactly one of the values v or the target")
     if fused:
         return _fused_pass(w1, w2, v, k, q, objective, residual, target, members)
+    shared_k = k
     v, q = (None if t is None else repeat_heads(t, members) for t in (v, q))
     k = repeat_heads(k, members)
     parts = [t for t in (v, k, q) if t is not None]
@@ -343,7 +345,7 @@ def chunk_pass(
     factors = _factors(w1, k, target, hid, objective, residual, pred=pred)
     curvature, back_sq = _curvature(w1, k, hid)
     coupling = _kernel(hid.act.detach(), back_sq, k.detach())  # a stabiliser's input
-    return ChunkPass(target, factors, curvature, read, coupling, k)
+    return ChunkPass(target, factors, curvature, read, coupling, shared_k)
 
 
 def _fused_pass(

@@ -74,11 +74,26 @@ def chunk_dgd_update(
     a/d [B,H,C,M], eta/alpha [B,H,C]. ``w2k`` [B,H,C,M] = W2_0 k_t when the
     caller already has it (``GradFactors.pre``). Returns (w1, w2, m1, m2) after
     the chunk.
+
+    G memories stacked along the head axis (H = G*H_k, member-major) may pass the k
+    [B,H_k,C,I] and alpha [B,H_k,C] they share: the key Gram matrix and the decay
+    ratios are then formed once per head, not once per member (each member keeps its
+    own steps eta, so its own system L).
     """
-    prev_over_s, gamma_prev, end_over_s, gamma_end = _log_decay_ratios(torch.log(alpha))
-    gamma = gamma_end[..., None, None]  # [B, H, 1, 1]
-    u = -eta.unsqueeze(-1) * d  # [B, H, C, M]: u_t = -eta_t D_t
-    weighted_k = end_over_s.unsqueeze(-1) * k  # [B, H, C, I]: (gamma_C/gamma_s) k_s
+    members = w1.shape[1] // k.shape[1]
+    if alpha.shape[:2] != k.shape[:2]:
+        raise ValueError(f"chunk_dgd_update: alpha {tuple(alpha.shape)}, k {tuple(k.shape)}")
+
+    def per_member(t: Tensor) -> Tensor:  # [B, H, ...] -> [B, G, H_k, ...], a view
+        return t.unflatten(1, (members, -1))
+
+    prev_over_s, gamma_prev, end_over_s, gamma_end = (
+        t.unsqueeze(1) for t in _log_decay_ratios(torch.log(alpha))
+    )  # shared by the members: [B, 1, H_k, ...]
+    k, eta = k.unsqueeze(1), per_member(eta)
+    gamma = gamma_end[..., None, None]  # [B, 1, H_k, 1, 1]
+    u = -eta.unsqueeze(-1) * per_member(d)  # [B, G, H_k, C, M]: u_t = -eta_t D_t
+    weighted_k = end_over_s.unsqueeze(-1) * k  # [B, 1, H_k, C, I]: (gamma_C/gamma_s) k_s
     if precondition:
         # r_t + eta_t sum_{s<t} M_ts r_s = u_t - eta_t gamma_{t-1} S_0 k_t, with
         # M_ts = (gamma_{t-1}/gamma_s) k_s.k_t, i.e. R = L^-1 RHS for the unit lower
@@ -86,37 +101,41 @@ def chunk_dgd_update(
         # as RHS^T (L^-T diag(gamma_C/gamma_s) K): the C x C inverse meets the I-wide
         # keys (C^2 I) instead of the 2M right-hand sides, and the driven (u) and
         # homogeneous (S_0) parts share that one product.
-        gram = k @ k.transpose(-1, -2)
+        decayed_gram = prev_over_s * (k @ k.transpose(-1, -2))  # [B, 1, H_k, C, C]
         eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
-        lower = eye + eta.unsqueeze(-1) * prev_over_s * gram  # [B, H, C, C]
-        s0k = k @ w2.transpose(-1, -2) if w2k is None else w2k  # [B, H, C, M]
-        hom_rhs = -(eta * gamma_prev).unsqueeze(-1) * s0k
+        lower = eye + eta.unsqueeze(-1) * decayed_gram  # [B, G, H_k, C, C]
+        s0k = k @ per_member(w2).transpose(-1, -2) if w2k is None else per_member(w2k)
+        hom_rhs = -(eta * gamma_prev).unsqueeze(-1) * s0k  # [B, G, H_k, C, M]
         # Invert the C x C system once (batched trsm over many right-hand sides is
         # ~4x slower on CPU at C=16). Well conditioned: unit diagonal,
         # |off-diagonal| <= eta_t << 1.
         inverse = torch.linalg.solve_triangular(
             lower, eye.expand_as(lower), upper=False, unitriangular=True
         )
-        keys = inverse.transpose(-1, -2) @ weighted_k  # [B, H, C, I]
-        inc2 = u.transpose(-1, -2) @ keys  # [B, H, M, I]: the write from zero weights
+        keys = inverse.transpose(-1, -2) @ weighted_k  # [B, G, H_k, C, I]
+        inc2 = u.transpose(-1, -2) @ keys  # [B, G, H_k, M, I]: the write from zero weights
         # The chunk's change to W2 beyond the decay: inc2 (+ momentum) + hom_rhs^T keys.
         from_start = hom_rhs.transpose(-1, -2) @ keys if momentum else None
         total_rhs = u + hom_rhs
     else:
-        keys, from_start = k, None
+        keys, from_start, total_rhs = k, None, None
         inc2 = (end_over_s.unsqueeze(-1) * u).transpose(-1, -2) @ k
-        total_rhs = None
     # W1_C = gamma_C W1_0 - E^T diag(eta_s gamma_C/gamma_s) A (cf. Ti eqs. 16-17);
     # the minus sign on the C x O factor, not on the O x M product.
-    inc1 = (-(eta * end_over_s).unsqueeze(-1) * e).transpose(-1, -2) @ a
+    to_end = -(eta * end_over_s).unsqueeze(-1) * per_member(e)
+    inc1 = to_end.transpose(-1, -2) @ per_member(a)  # [B, G, H_k, O, M]
+    w1, w2 = per_member(w1), per_member(w2)
     if momentum:
-        m1_new = torch.add(inc1, m1, alpha=momentum)
-        m2_new = torch.add(inc2, m2, alpha=momentum)
+        m1_new = torch.add(inc1, per_member(m1), alpha=momentum)
+        m2_new = torch.add(inc2, per_member(m2), alpha=momentum)
         change2 = m2_new if from_start is None else m2_new + from_start
-        return torch.addcmul(m1_new, gamma, w1), torch.addcmul(change2, gamma, w2), m1_new, m2_new
-    # Without momentum one product gives the whole W2 change: (u + hom_rhs)^T keys.
-    change2 = inc2 if total_rhs is None else total_rhs.transpose(-1, -2) @ keys
-    return torch.addcmul(inc1, gamma, w1), torch.addcmul(change2, gamma, w2), inc1, inc2
+        out = (torch.addcmul(m1_new, gamma, w1), torch.addcmul(change2, gamma, w2), m1_new, m2_new)
+    else:
+        # Without momentum one product gives the whole W2 change: (u + hom_rhs)^T keys.
+        change2 = inc2 if total_rhs is None else total_rhs.transpose(-1, -2) @ keys
+        out = (torch.addcmul(inc1, gamma, w1), torch.addcmul(change2, gamma, w2), inc1, inc2)
+    w1_new, w2_new, m1_new, m2_new = (t.flatten(1, 2) for t in out)
+    return w1_new, w2_new, m1_new, m2_new
 
 
 def chunk_end_terms(log_b: Tensor, log_a: Tensor) -> Tensor:

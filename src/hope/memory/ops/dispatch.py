@@ -254,7 +254,10 @@ def dgd_write(
     has them (the naive backend ignores them and differentiates by autograd).
     """
     name = resolve_backend(backend)
-    if not (name == "fused" and precondition and not momentum):  # copies per member
+    # The closed form and the fused operator read k and alpha shared by the members
+    # (the Gram matrix and decay ratios once per head); the token loop, FLA's rule and
+    # the factors made here take one copy per member.
+    if name in ("naive", "fla") or factors is None or k.shape[1] != alpha.shape[1]:
         k, alpha = (repeat_heads(t, fast.w1.shape[1] // t.shape[1]) for t in (k, alpha))
     if name == "naive":
         if not isinstance(residual, bool):

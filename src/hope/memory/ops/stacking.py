@@ -2,9 +2,11 @@
 
 Memories written from one chunk are stacked head-wise, weights [B, G*H, ...], member g
 at heads g*H ... g*H + H - 1, and read the same chunk inputs [B, H, ...]. The PyTorch
-forms take one copy per member (``repeat_heads``); an input shared that way gets the
-sum of its copies' gradients (``sum_members``). The fused operators read the shared
-input instead and sum inside their backward.
+forms of the memory pass take one copy per member (``repeat_heads``); an input shared
+that way gets the sum of its copies' gradients (``sum_members``). The closed-form DGD
+write (``chunk.chunk_dgd_update``) broadcasts the shared keys and decays over the
+members instead, and the fused operators read the shared input and sum inside their
+backward.
 """
 
 from __future__ import annotations
