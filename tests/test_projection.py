@@ -232,13 +232,13 @@ def test_a_preset_is_projected_at_its_own_micro_batch(monkeypatch: pytest.Monkey
     """The micro-batch a preset runs (``train.micro_batch_size``, else one rank's whole
     batch) is the one projected: the launches are paid per micro-batch, so a preset
     that fits two rows per forward pays them for those two alone."""
-    assert (p.preset_micro_batch("pilot"), p.preset_micro_batch("mid")) == (2, 8)
+    assert (p.preset_micro_batch("pilot"), p.preset_micro_batch("mid")) == (2, 4)
     assert p.preset_micro_batch("tiny") == load_config(None, ["preset=tiny"]).train.batch_size
     monkeypatch.setattr(p, "fit_launches", lambda cfg, seq_len: p.LaunchFit(0, 0, 0, 1.0, (1, 2)))
     pilot = p.project_variant("pilot", "transformer")["micro_batch"]
     mid = p.project_variant("mid", "transformer")["micro_batch"]
     assert (pilot["rows"], pilot["tokens"]) == (2, 2 * 4096)
-    assert (mid["rows"], mid["tokens"]) == (8, 8 * 4096)
+    assert (mid["rows"], mid["tokens"]) == (4, 4 * 4096)
     # the same launches over 1 row instead of 8: an eighth of the (FLOP-bound) floor,
     # so the launches' share of the step over the floor is 8 times larger
     cfg = p.preset_model("pilot", "transformer")
