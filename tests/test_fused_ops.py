@@ -752,6 +752,28 @@ def test_fused_backend_is_accepted_on_a_cpu_and_named_in_errors() -> None:
         dispatch.resolve_backend("fuse")
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is installed with the dev extra")
+def test_kernel_products_follow_the_runs_tf32_policy() -> None:
+    """The kernels multiply fp32 as the run's PyTorch matmuls do (``configure_numerics``):
+    on TF32 tensor cores where TF32 is allowed (bf16/auto runs; bf16 inputs are computed
+    in fp32), in IEEE fp32 otherwise; fp64 always in IEEE."""
+    from hope.memory.ops.triton_kernels import dot_precision, launch_sizes
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float64)
+    w1 = [torch.zeros(1, 2, 4, 8, dtype=dtype) for dtype in dtypes]
+    k = torch.zeros(1, 2, 16, 4)
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert [dot_precision(w) for w in w1] == ["ieee", "ieee", "ieee"]
+        assert launch_sizes(w1[0], k)["DOT"] == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert [dot_precision(w) for w in w1] == ["tf32", "tf32", "ieee"]
+        assert launch_sizes(w1[0], k)["DOT"] == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
 def _run_worker(device: str, env: dict[str, str], *dtypes: str) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, str(TESTS / "triton_worker.py"), device, *dtypes],
@@ -783,7 +805,9 @@ def test_triton_kernels_equal_the_pytorch_forms_in_the_interpreter() -> None:
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is installed with the dev extra")
 def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
     """Every kernel, in every flag combination the parity tests launch, compiled by
-    Triton's CUDA backend for sm_90 to PTX and a cubin on this CPU (~5 min cold)."""
+    Triton's CUDA backend for sm_90 to PTX and a cubin on this CPU, fp32 products on
+    TF32 tensor cores as a bf16 run makes them (~17 min cold, seconds from Triton's
+    cache)."""
     out = subprocess.run(
         [sys.executable, str(TESTS / "triton_compile.py")],
         env={**os.environ, "PYTHONPATH": str(TESTS), "TRITON_DEFAULT_FP_FUSION": "1"},
@@ -802,6 +826,10 @@ def test_triton_kernels_compile_for_a_gpu_without_one() -> None:
     assert set(kernels) == expected
     for name, info in kernels.items():
         assert info["variants"] >= 1 and info["ptx_bytes"] > 10_000, (name, info)
+    # Every kernel with tl.dot products runs them on tensor cores (TF32) in each variant.
+    with_dot = {name for name, info in kernels.items() if info["mma"] >= 0}
+    assert {"_smt_walk_fwd", "_smt_walk_bwd", "_dgd_chunk_fwd", "_cms_scan"} <= with_dot
+    assert all(kernels[name]["mma"] > 0 for name in with_dot), kernels
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

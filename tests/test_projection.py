@@ -177,7 +177,8 @@ def test_fused_recurrences_run_on_the_multiprocessors_their_programs_occupy() ->
     """Under ``fused`` the memories' recurrent work runs in one program per (sample,
     head), teach pass A's checkpointed walks rerunning theirs: at the pilot's two
     rows of 16 heads, 32 of an H200's 132 multiprocessors, so that share costs 132/32
-    times its FLOP time; at 8 rows (mid), 128 of 132. The torch backend's batched ops
+    times its FLOP time at the peak of its fp32 products (TF32 in a bf16 run, the FMA
+    units' in an fp32 one); at 8 rows (mid), 128 of 132. The torch backend's batched ops
     and a variant without a memory recurrence pay no occupancy; the floor (useful
     work on the whole device) never changes."""
     cfg = p.preset_model("pilot", "hope")
@@ -194,14 +195,23 @@ def test_fused_recurrences_run_on_the_multiprocessors_their_programs_occupy() ->
         flops.recurrent_training_flops_per_token(cfg, 4096) * 2 * 4096 + pass_a
     )
     assert fused["recurrent_flops"] == pytest.approx(recurrent)
-    for name, sms in (("H200", 132), ("A100", 108)):
+    # fp32 products: TF32 tensor cores in a bf16 run, the FMA units in an fp32 one
+    strict = p.project_step(cfg, 4096, 2, 1000, params=1, backend="fused", precision="fp32")
+    assert (fused["recurrent_dot"], strict["recurrent_dot"], torch_row["recurrent_dot"]) == (
+        "tf32", "ieee", None,
+    )  # fmt: skip
+    for name, sms, tf32, fma in (("H200", 132, 494.5e12, 67e12), ("A100", 108, 156e12, 19.5e12)):
         peak = p.DEVICES[name][0] * p.ACHIEVABLE
         device, plain = fused["devices"][name], torch_row["devices"][name]
         assert device["occupancy"] == pytest.approx(32 / sms) and plain["occupancy"] == 1.0
-        expected = fused["executed_flops"] - recurrent + recurrent * sms / 32
-        assert device["work_ms"] == pytest.approx(expected / peak * 1e3)
+        rest = (fused["executed_flops"] - recurrent) / peak
+        expected = rest + recurrent * sms / 32 / (tf32 * p.ACHIEVABLE)
+        assert device["work_ms"] == pytest.approx(expected * 1e3)
+        slow = rest + recurrent * sms / 32 / (fma * p.ACHIEVABLE)
+        assert strict["devices"][name]["work_ms"] == pytest.approx(slow * 1e3)
         assert plain["work_ms"] == pytest.approx(torch_row["executed_flops"] / peak * 1e3)
         assert device["floor_ms"] == plain["floor_ms"] < plain["work_ms"] < device["work_ms"]
+        assert device["work_ms"] < strict["devices"][name]["work_ms"]
     eight = p.project_step(cfg, 4096, 8, 1000, params=1, backend="fused")["devices"]["H200"]
     assert eight["occupancy"] == pytest.approx(128 / 132)
     transformer = p.preset_model("pilot", "transformer")

@@ -2,7 +2,10 @@
 float32 launches ``triton_worker.py`` makes (every kernel and flag combination the
 parity tests use; float32 is what training runs) are intercepted and each distinct
 specialisation is compiled by Triton's CUDA backend for sm_90 down to PTX and a cubin
-(Triton ships ptxas), instead of run. Catches what the interpreter accepts but the
+(Triton ships ptxas), instead of run. The fp32 products are compiled as a bf16 run
+makes them, on TF32 tensor cores (``triton_kernels.dot_precision``): their lowering to
+mma instructions constrains tiles and layouts more than the FMA units' (an fp32-strict
+run's, which scripts/gpu_check.sh's CUDA parity runs). Catches what the interpreter accepts but the
 compiler refuses (types of loop-carried values, constexpr branches, tile shapes).
 Prints, as JSON, each kernel's number of compiled specialisations and the PTX bytes of
 the largest.
@@ -24,7 +27,9 @@ from triton.runtime.jit import JITFunction
 
 TARGET = GPUTarget("cuda", 90, 32)
 _TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.bfloat16: "*bf16"}
-compiled: dict[str, dict[str, int]] = {}
+# kernel name -> specialisation -> (PTX bytes, tensor-core mma instructions or -1 for a
+# kernel without tl.dot products)
+compiled: dict[str, dict[str, tuple[int, int]]] = {}
 
 
 def _signature(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
@@ -52,16 +57,26 @@ def _compile_instead(self: JITFunction, *args: Any, grid: Any, warmup: bool, **k
     if key not in seen:
         kernel = triton.compile(ASTSource(self, signature, constexprs=constants), target=TARGET)
         assert kernel.asm["cubin"], self.__name__
-        seen[key] = len(kernel.asm["ptx"])
+        ptx = kernel.asm["ptx"]
+        mma = ptx.count("mma.sync") + ptx.count("wgmma.mma_async") if "DOT" in constants else -1
+        seen[key] = (len(ptx), mma)
 
 
 def main() -> dict[str, dict[str, int]]:
+    """Per kernel: its specialisations, the PTX bytes of the largest, and the fewest mma
+    instructions of one (-1: no tl.dot)."""
     JITFunction.run = _compile_instead  # type: ignore[method-assign]
     import triton_worker
 
+    triton_worker.allow_tf32()
     triton_worker.main("cpu", dtypes=(torch.float32,))
     return {
-        name: {"variants": len(v), "ptx_bytes": max(v.values())} for name, v in compiled.items()
+        name: {
+            "variants": len(v),
+            "ptx_bytes": max(size for size, _ in v.values()),
+            "mma": min(mma for _, mma in v.values()),
+        }
+        for name, v in compiled.items()
     }
 
 

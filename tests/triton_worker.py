@@ -1,7 +1,9 @@
 """Runs the Triton kernels of the fused backend on the device given as argv[1] and
 prints, as JSON, their largest differences from the PyTorch forms (tests/test_fused_ops.py
 runs it on a CPU under TRITON_INTERPRET=1, which must be set before Triton is imported;
-scripts/gpu_check.sh's tests run it on CUDA)."""
+scripts/gpu_check.sh's tests run it on CUDA). With HOPE_TF32=1 the fp32 products are the
+TF32 ones of a bf16 run (``allow_tf32``): ``TRITON_INTERPRET=1 HOPE_TF32=1
+PYTHONPATH=tests python tests/triton_worker.py cpu float32`` gives what TF32 costs."""
 
 from __future__ import annotations
 
@@ -74,6 +76,29 @@ from hope.memory.ops.triton_write import smt_write_backward_triton, smt_write_tr
 from hope.memory.residual_mlp import overshoot_ratio
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def allow_tf32() -> None:
+    """The kernels' fp32 products as a bf16 run makes them (``dot_precision``: "tf32").
+    Under the interpreter, which multiplies every tl.dot in full fp32, their operands
+    are rounded to TF32's 10 mantissa bits first, as tensor cores read them, so the
+    errors are the ones a GPU would show (HOPE_TF32=1)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if not INTERPRETED:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    plain = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, precision: Any, imprecise: Any) -> Any:
+        if str(precision).upper().endswith("TF32") and a.data.dtype == np.float32:
+            a, b = (interpreter.TensorHandle(interpreter._round_f32_to_tf32(t.data), t.dtype)
+                    for t in (a, b))  # fmt: skip
+        return plain(self, a, b, d, precision, imprecise)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot  # type: ignore[method-assign]
+
 
 # (C, I, h_m, O): padded and unpadded sizes, one token, several h_m blocks, C > 16.
 SHAPES = [(8, 12, 40, 5), (16, 16, 64, 16), (1, 4, 8, 1), (20, 8, 136, 8)]
@@ -818,6 +843,8 @@ def main(
 
 if __name__ == "__main__":
     # argv: the device, then optionally the dtypes by name (default float64 and float32)
+    if os.environ.get("HOPE_TF32") == "1":
+        allow_tf32()
     names = sys.argv[2:] or ["float64", "float32"]
     chosen = tuple(getattr(torch, name) for name in names)
     print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "cpu", chosen)))

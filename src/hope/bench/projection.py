@@ -42,9 +42,13 @@ whichever is larger, plus the host time of launching its kernels:
   heads, 32 of an H200's 132. That is a bound from above on their speed (one program
   on an SM sustaining 40% of its peak with tiles of a chunk's size is itself an
   assumption); the batched PyTorch ops of the other backends are launch-bound long
-  before occupancy counts, so they are projected without it.
+  before occupancy counts, so they are projected without it. The fused recurrences' products are
+  fp32 (the fast state's dtype) at the precision ``dot_precision`` gives them: TF32
+  tensor cores where the run allows TF32 (``train.precision`` bf16 or auto), else the
+  CUDA cores' FMA units (``FP32_PRODUCT_PEAKS``), not the bf16 peak of the rest.
 
-Constants (``DEVICES``, ``MULTIPROCESSORS``, ``ACHIEVABLE``, launch costs) are public
+Constants (``DEVICES``, ``FP32_PRODUCT_PEAKS``, ``MULTIPROCESSORS``, ``ACHIEVABLE``,
+launch costs) are public
 figures or stated assumptions; ``scripts/gpu_check.sh`` measures the bench's ``pilot``
 shape on a GPU so the projection can be checked against it.
 """
@@ -76,6 +80,14 @@ DEVICES: dict[str, tuple[float, float]] = {
     "H200": (989e12, 4.8e12),
     "H100": (989e12, 3.35e12),
     "A100": (312e12, 2.039e12),
+}
+# Peak FLOP/s of the fused kernels' fp32 products (``triton_kernels.dot_precision``), by
+# their tl.dot input precision, from the same data sheets: "tf32" on the tensor cores
+# (dense: half the sheets' sparse 989 / 312), "ieee" on the CUDA cores' FMA units (the
+# sheets' FP32 row: 67 / 67 / 19.5).
+FP32_PRODUCT_PEAKS: dict[str, dict[str, float]] = {
+    "tf32": {"H200": 494.5e12, "H100": 494.5e12, "A100": 156e12},
+    "ieee": {"H200": 67e12, "H100": 67e12, "A100": 19.5e12},
 }
 # Fraction of the peak that the matmuls of a large training step sustain (an
 # assumption, the 40% of the bench issue; well-tuned dense LMs report 40-55% MFU).
@@ -230,6 +242,12 @@ def occupancy(programs: int, multiprocessors: int) -> float:
     return 1.0 if programs <= 0 else min(1.0, programs / multiprocessors)
 
 
+def recurrent_dot(precision: str) -> str:
+    """The fused kernels' fp32 product precision in a run of ``train.precision``
+    ``precision`` on CUDA (``configure_numerics`` allows TF32 unless it is fp32)."""
+    return "ieee" if precision == "fp32" else "tf32"
+
+
 def project_step(
     cfg: ModelConfig,
     seq_len: int,
@@ -237,11 +255,13 @@ def project_step(
     launches: int,
     params: int,
     backend: str | None = None,
+    precision: str = "bf16",
 ) -> dict[str, Any]:
     """Projected step of ``batch`` sequences on each device in ``DEVICES``. Under the
     ``fused`` backend the memories' recurrent work (``flops.recurrent_training_flops_per_
     token``) runs in kernels of ``recurrence_programs`` programs: at ACHIEVABLE of the
-    peak of the multiprocessors they occupy, not of the device."""
+    fp32 product peak of ``train.precision`` ``precision`` (``recurrent_dot``) on the
+    multiprocessors they occupy, not of the device's bf16 peak."""
     tokens = batch * seq_len
     step_flops = flops.training_flops_per_token(cfg, seq_len) * tokens
     fused = resolve_backend(backend) == "fused"
@@ -249,6 +269,7 @@ def project_step(
     programs = recurrence_programs(cfg, batch, backend)
     recurrent = flops.recurrent_training_flops_per_token(cfg, seq_len, fused) * tokens
     recurrent = recurrent if programs else 0.0
+    dot = recurrent_dot(precision)
     activation_bytes = ACTIVATION_BYTES_PER_TOKEN * cfg.dim * cfg.n_layers * tokens
     step_bytes = OPTIMIZER_BYTES_PER_PARAM * params + activation_bytes
     devices = {}
@@ -256,7 +277,8 @@ def project_step(
         # floor: the useful work alone; work: what the step's forms execute
         floor = max(step_flops / (peak * ACHIEVABLE), step_bytes / bandwidth)
         busy = occupancy(programs, MULTIPROCESSORS[name])
-        compute = (executed - recurrent + recurrent / busy) / (peak * ACHIEVABLE)
+        recurrent_s = recurrent / busy / (FP32_PRODUCT_PEAKS[dot][name] * ACHIEVABLE)
+        compute = (executed - recurrent) / (peak * ACHIEVABLE) + recurrent_s
         work = max(compute, step_bytes / bandwidth)
         eager, graph = work + launches * EAGER_LAUNCH_S, work + launches * GRAPH_LAUNCH_S
         devices[name] = {
@@ -277,6 +299,7 @@ def project_step(
         "executed_flops": executed,
         "recurrent_flops": recurrent,
         "programs": programs,
+        "recurrent_dot": dot if programs else None,
         "bytes": step_bytes,
         "launches": launches,
         "devices": devices,
@@ -291,6 +314,11 @@ def preset_model(preset: str, variant: str) -> ModelConfig:
 def preset_seq_len(preset: str) -> int:
     """The context length ``data.seq_len`` of ``preset``."""
     return load_config(None, [f"preset={preset}"]).data.seq_len
+
+
+def preset_precision(preset: str) -> str:
+    """``train.precision`` of ``preset``: the precision ``hope train --preset P`` runs in."""
+    return load_config(None, [f"preset={preset}"]).train.precision
 
 
 def preset_micro_batch(preset: str) -> int:
@@ -317,11 +345,13 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
     seq_len = preset_seq_len(preset)
     fit = fit_launches(cfg, seq_len)
     launches = fit.predict(cfg.n_layers, seq_len)
-    rows = preset_micro_batch(preset)
+    rows, precision = preset_micro_batch(preset), preset_precision(preset)
     row: dict[str, Any] = {
         "launch_fit": dataclasses.asdict(fit),
         "launches_per_layer": round(fit.layer + fit.layer_per_token * seq_len),
-        "micro_batch": project_step(cfg, seq_len, rows, launches, count_parameters(cfg)),
+        "micro_batch": project_step(
+            cfg, seq_len, rows, launches, count_parameters(cfg), precision=precision
+        ),
     }
     if variant == "hope" and preset == "pilot":  # the throughput mode of pilot_frozen
         from hope.bench.shapes import FROZEN_SMT
@@ -335,10 +365,11 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
             ),
             "micro_batch": project_step(
                 frozen, seq_len, rows, frozen_fit.predict(cfg.n_layers, seq_len),
-                count_parameters(frozen),
+                count_parameters(frozen), precision=precision,
             ),
         }  # fmt: skip
     if preset == "pilot":  # the bench's GPU shape: two layers, batch 4, T 4096
+        # (in the bench's precision on a GPU, auto: bf16, TF32 allowed; the default)
         from hope.bench.shapes import PILOT_BATCH, PILOT_MODEL, PILOT_SEQ_LEN
 
         shape = dataclasses.replace(cfg, **PILOT_MODEL)
@@ -355,6 +386,7 @@ def project_variant(preset: str, variant: str) -> dict[str, Any]:
 def constants() -> dict[str, Any]:
     return {
         "devices_peak_bf16_flops_and_bandwidth": {k: list(v) for k, v in DEVICES.items()},
+        "fused_fp32_product_peaks": FP32_PRODUCT_PEAKS,
         "achievable_fraction_of_peak": ACHIEVABLE,
         "eager_launch_s": EAGER_LAUNCH_S,
         "graph_launch_s": GRAPH_LAUNCH_S,

@@ -16,7 +16,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import flat_heads, load_strided, load_tile, store_tile
+from hope.memory.ops.triton_kernels import (
+    dot_precision,
+    flat_heads,
+    load_strided,
+    load_tile,
+    store_tile,
+)
 from hope.memory.ops.triton_pass import gelu, pad_size, rows_backward
 
 
@@ -92,7 +98,7 @@ def _apply_sizes(w1: Tensor, z: Tensor, skip: bool, first: int, count: int) -> d
     return {
         "H": heads, "GH": gh, "FIRST": first, "COUNT": count, "T": t, "I": i, "O": o, "M": m,
         "TP": pad_size(t), "IP": pad_size(i), "OP": pad_size(o),
-        "BLOCK_M": min(64, pad_size(m)), "DOT": "ieee",
+        "BLOCK_M": min(64, pad_size(m)), "DOT": dot_precision(w1),
     }  # fmt: skip
 
 

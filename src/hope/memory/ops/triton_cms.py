@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import compute_dtype, load_tile, store_tile
+from hope.memory.ops.triton_kernels import compute_dtype, dot_precision, load_tile, store_tile
 from hope.memory.ops.triton_pass import gelu, pad_size, slope_of
 
 
@@ -72,7 +72,7 @@ def cms_factor_scan_triton(
     _cms_scan[grid](
         pre_0.contiguous(), back_0.contiguous(), key_scores.contiguous(),
         teach_scores.contiguous(), hidden, back, rows, fired, hid, chunk,
-        BLOCK_R=min(32, pad_size(chunk)), BLOCK_H=block_h, BLOCK_S=32, DOT="ieee",
+        BLOCK_R=min(32, pad_size(chunk)), BLOCK_H=block_h, BLOCK_S=32, DOT=dot_precision(pre_0),
         ACC=compute_dtype(pre_0),  # bf16 activations under autocast: erf/exp take fp32
     )  # fmt: skip
     return hidden, back

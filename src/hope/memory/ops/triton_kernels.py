@@ -9,8 +9,8 @@ rows of W1 and W2 in blocks of ``BLOCK_M``. L is unit lower triangular with
 N = L - I nilpotent, so L^-1 = (I - N)(I + N^2)(I + N^4)···(I + N^(CP/2)): log2(CP) - 1
 squarings and products of C x C tiles, no triangular solve. Every dimension is padded
 to a power of two >= 16 (``tl.dot``'s smallest tile); padded tokens have η = 0, α = 1
-and zero keys and factors, so they write and receive nothing. fp32 products use IEEE
-precision (no TF32): the fused write must match the closed form it replaces.
+and zero keys and factors, so they write and receive nothing. fp32 products follow the
+run's policy for fp32 matmuls (``dot_precision``), as the closed form they replace does.
 
 The backward recomputes the C x C terms and Z from the inputs (the operator saves
 nothing else), accumulates dZ, dE and the decay sums over the h_m blocks, then
@@ -40,6 +40,18 @@ def compute_dtype(t: Tensor) -> tl.dtype:
     """float32 (bf16 and fp16 inputs under autocast too: ``tl.log`` and ``tl.exp`` take
     fp32/fp64 only), float64 for float64 inputs."""
     return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
+def dot_precision(t: Tensor) -> str:
+    """``tl.dot``'s input precision for products in ``t``'s compute dtype: the run's own
+    policy for fp32 matmuls (``hope.train.device.configure_numerics``), so a fused kernel
+    multiplies as the PyTorch forms it replaces do. "tf32" (tensor cores) where TF32 is
+    allowed (``train.precision`` bf16 or auto on CUDA), "ieee" otherwise (fp32 strict, and
+    always for fp64). An "ieee" fp32 product runs on the CUDA cores' FMA units: 67 TFLOP/s
+    on an H100/H200 against 494 for TF32 tensor cores (``hope.bench.projection``)."""
+    if compute_dtype(t) == tl.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
 
 
 # A [rows, cols] tile of a row-major matrix with n_rows x n_cols live entries (zeros
@@ -339,7 +351,7 @@ def launch_sizes(w1: Tensor, k: Tensor) -> dict[str, Any]:
     return {
         "C": c, "I": i, "O": o, "M": m, "CP": cp, "IP": pad(i), "OP": pad(o),
         "BLOCK_M": min(64, pad(m)), "SQUARINGS": cp.bit_length() - 2,
-        "DOT": "ieee",
+        "DOT": dot_precision(w1),
     }  # fmt: skip
 
 

@@ -23,7 +23,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import flat_heads, load_strided, load_tile, store_tile
+from hope.memory.ops.triton_kernels import (
+    dot_precision,
+    flat_heads,
+    load_strided,
+    load_tile,
+    store_tile,
+)
 
 
 @triton.jit
@@ -243,7 +249,8 @@ def pass_sizes(w1: Tensor, k: Tensor, q: Tensor | None, skip: bool) -> dict[str,
         raise ValueError(f"memory_pass: {cq} queries for {c} keys, {gh} stacked of {heads} heads")
     return {
         "H": heads, "GH": gh, "C": c, "CQ": cq, "I": i, "O": o, "M": m, "CP": pad_size(c),
-        "IP": pad_size(i), "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)), "DOT": "ieee",
+        "IP": pad_size(i), "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)),
+        "DOT": dot_precision(w1),
     }  # fmt: skip
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from hope.memory.ops.triton_kernels import compute_dtype
+from hope.memory.ops.triton_kernels import compute_dtype, dot_precision
 
 
 @triton.jit
@@ -173,7 +173,7 @@ def _launch(inputs: tuple[Tensor | None, ...], grad: Tensor | None) -> tuple[Ten
         *strides,
         SP=max(16, triton.next_power_of_2(length)), DP=max(16, triton.next_power_of_2(dim)),
         PP=max(16, triton.next_power_of_2(max(n_p, 1))), HAS_P=n_p > 0,
-        BACKWARD=grad is not None, DOT="ieee",
+        BACKWARD=grad is not None, DOT=dot_precision(q),
         ACC=compute_dtype(q),
     )  # fmt: skip
     if grad is None:

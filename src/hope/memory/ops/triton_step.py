@@ -29,7 +29,13 @@ from hope.memory.ops.triton_generation import (
     head_generation,
     skip_of,
 )
-from hope.memory.ops.triton_kernels import flat_heads, load_strided, load_tile, store_tile
+from hope.memory.ops.triton_kernels import (
+    dot_precision,
+    flat_heads,
+    load_strided,
+    load_tile,
+    store_tile,
+)
 from hope.memory.ops.triton_pass import pad_size, rows_backward
 from hope.memory.ops.triton_write import write_member_bwd, write_member_fwd
 
@@ -308,7 +314,7 @@ def _sizes(inputs: tuple[Tensor | None, ...], options: tuple[Any, ...]) -> dict[
         "OWN_READ": r1 is None, "FLUSH": flush, "HAS_SCALE": scale is not None,
         "RESIDUAL": residual, "DOT_LOSS": dot, "CP": cp, "CMP": cmp, "IP": pad_size(i),
         "OP": pad_size(o), "BLOCK_M": min(64, pad_size(m)), "SQUARINGS": cp.bit_length() - 2,
-        "MSQUARINGS": cmp.bit_length() - 2, "EPS": EPS, "DOT": "ieee",
+        "MSQUARINGS": cmp.bit_length() - 2, "EPS": EPS, "DOT": dot_precision(w1),
     }  # fmt: skip
 
 
