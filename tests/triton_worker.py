@@ -784,26 +784,40 @@ def bf16_errors(device: str) -> dict[str, float]:
     return {f"bfloat16_{name}": worst(up(got), want) for name, (got, want) in pairs.items()}
 
 
+def dgd_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
+    """``hope::dgd_chunk``'s kernels over ``SHAPES``, the backward with and without the
+    increments' gradients."""
+    errors = {}
+    for c, i, m, o in SHAPES:
+        x = inputs(c, i, m, o, dtype, device)
+        w1, w2, k, e, a, d, eta, alpha, w2k = x
+        want = chunk_dgd_update(w1, w2, w1, w2, k, e, a, d, eta, alpha, True, 0.0, w2k)
+        name = f"{str(dtype).removeprefix('torch.')}_C{c}_I{i}_M{m}_O{o}"
+        errors[f"forward_{name}"] = worst(dgd_chunk_triton(*x), want)
+        gen = torch.Generator().manual_seed(7)
+        grads = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device, dtype)
+                 for t in want]  # fmt: skip
+        for with_inc in (True, False):
+            g_inc = (grads[2], grads[3]) if with_inc else (None, None)
+            got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
+            distinct_storages("dgd_chunk_backward_triton", got)
+            ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
+            errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
+    return errors
+
+
+def core_errors(device: str) -> dict[str, float]:
+    """The SMT's recurrence alone in float32: the DGD chunk write and the chunk step
+    (``--core``: what TF32 products are checked on in CI)."""
+    return dgd_errors(torch.float32, device) | step_errors(torch.float32, device)
+
+
 def main(
     device: str, dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)
 ) -> dict[str, float]:
     errors: dict[str, float] = {}
     for dtype in dtypes:
-        for c, i, m, o in SHAPES:
-            x = inputs(c, i, m, o, dtype, device)
-            w1, w2, k, e, a, d, eta, alpha, w2k = x
-            want = chunk_dgd_update(w1, w2, w1, w2, k, e, a, d, eta, alpha, True, 0.0, w2k)
-            name = f"{str(dtype).removeprefix('torch.')}_C{c}_I{i}_M{m}_O{o}"
-            errors[f"forward_{name}"] = worst(dgd_chunk_triton(*x), want)
-            gen = torch.Generator().manual_seed(7)
-            grads = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device, dtype)
-                     for t in want]  # fmt: skip
-            for with_inc in (True, False):
-                g_inc = (grads[2], grads[3]) if with_inc else (None, None)
-                got = dgd_chunk_backward_triton(tuple(x), grads[0], grads[1], *g_inc)
-                distinct_storages("dgd_chunk_backward_triton", got)
-                ref = dgd_chunk_backward_reference(tuple(x), grads[0], grads[1], *g_inc)
-                errors[f"backward_{'inc_' if with_inc else ''}{name}"] = worst(got, ref)
+        errors |= dgd_errors(dtype, device)
         errors |= shared_errors(dtype, device)
         for c, i, m, o in SHAPES:
             errors |= momentum_errors(c, i, m, o, dtype, device)
@@ -843,8 +857,13 @@ def main(
 
 if __name__ == "__main__":
     # argv: the device, then optionally the dtypes by name (default float64 and float32)
+    # (``--core``: ``core_errors`` alone)
     if os.environ.get("HOPE_TF32") == "1":
         allow_tf32()
+    where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    if "--core" in sys.argv[2:]:
+        print(json.dumps(core_errors(where)))
+        sys.exit()
     names = sys.argv[2:] or ["float64", "float32"]
     chosen = tuple(getattr(torch, name) for name in names)
-    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else "cpu", chosen)))
+    print(json.dumps(main(where, chosen)))
