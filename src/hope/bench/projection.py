@@ -42,15 +42,16 @@ whichever is larger, plus the host time of launching its kernels:
   heads, 32 of an H200's 132. That is a bound from above on their speed (one program
   on an SM sustaining 40% of its peak with tiles of a chunk's size is itself an
   assumption); the batched PyTorch ops of the other backends are launch-bound long
-  before occupancy counts, so they are projected without it. The fused recurrences' products are
-  fp32 (the fast state's dtype) at the precision ``dot_precision`` gives them: TF32
-  tensor cores where the run allows TF32 (``train.precision`` bf16 or auto), else the
-  CUDA cores' FMA units (``FP32_PRODUCT_PEAKS``), not the bf16 peak of the rest.
+  before occupancy counts, so they are projected without it. The fused recurrences
+  multiply in fp32 (the fast state's dtype) at the precision ``dot_precision`` gives
+  them: on TF32 tensor cores where the run allows TF32 (``train.precision`` bf16 or
+  auto), else on the CUDA cores' FMA units (``FP32_PRODUCT_PEAKS``), not at the bf16
+  peak of the rest.
 
 Constants (``DEVICES``, ``FP32_PRODUCT_PEAKS``, ``MULTIPROCESSORS``, ``ACHIEVABLE``,
-launch costs) are public
-figures or stated assumptions; ``scripts/gpu_check.sh`` measures the bench's ``pilot``
-shape on a GPU so the projection can be checked against it.
+launch costs) are public figures or stated assumptions; ``scripts/gpu_check.sh``
+measures the bench's ``pilot`` shape on a GPU so the projection can be checked against
+it.
 """
 
 from __future__ import annotations
