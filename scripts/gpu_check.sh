@@ -275,7 +275,8 @@ for suffix, bench, mode in (("", "", "eager"), ("_fused", "_fused", "eager"),
         print(f"projection{suffix} {variant:15s} launches {shape['launches']:>9d} H200 eager "
               f"{h200['eager_ms']:>9.1f} ms graph {h200['graph_ms']:>8.1f} ms floor "
               f"{h200['floor_ms']:>7.1f} ms work {h200['work_ms']:>7.1f} ms (occupancy "
-              f"{h200['occupancy']:.2f}) measured ({bench or 'eager'}) {got} ms  "
+              f"{h200['occupancy']:.2f}, fp32 products {shape.get('recurrent_dot') or '-'}) "
+              f"measured ({bench or 'eager'}) {got} ms  "
               f"measured/{mode} {ratio}")
 PY
 [ -s "$kept" ] && cp "$kept" reports/bench.json
