@@ -71,6 +71,7 @@ from hope.memory.ops.dispatch import resolve_backend
 from hope.model.config import ModelConfig
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
+from hope.train.device import allows_tf32
 from hope.train.schedule import build_scheduler
 from hope.train.step import train_step
 
@@ -245,8 +246,8 @@ def occupancy(programs: int, multiprocessors: int) -> float:
 
 def recurrent_dot(precision: str) -> str:
     """The fused kernels' fp32 product precision in a run of ``train.precision``
-    ``precision`` on CUDA (``configure_numerics`` allows TF32 unless it is fp32)."""
-    return "ieee" if precision == "fp32" else "tf32"
+    ``precision`` on CUDA (``hope.train.device.allows_tf32``)."""
+    return "tf32" if allows_tf32(precision) else "ieee"
 
 
 def project_step(

@@ -42,6 +42,12 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
     return None
 
 
+def allows_tf32(precision: str) -> bool:
+    """Whether a run of ``train.precision`` ``precision`` lets CUDA fp32 matmuls (and the
+    fused kernels' fp32 products) use TF32: bf16 and auto do, fp32 is strict."""
+    return precision != "fp32"
+
+
 def configure_numerics(cfg: TrainConfig, device: torch.device) -> None:
     """Everything besides the seed that changes a run's numbers, from the config only.
 
@@ -59,7 +65,7 @@ def configure_numerics(cfg: TrainConfig, device: torch.device) -> None:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.deterministic = cfg.deterministic
         torch.backends.cudnn.benchmark = not cfg.deterministic
-        tf32 = cfg.precision != "fp32"
+        tf32 = allows_tf32(cfg.precision)
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
     torch.use_deterministic_algorithms(cfg.deterministic)
