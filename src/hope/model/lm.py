@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -16,7 +17,6 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from hope.memory.deep_mlp import DeepMemoryInit
 from hope.memory.fast_state import restore_state
@@ -118,7 +118,10 @@ class LanguageModel(nn.Module):
         """Every block's parameters whole for the duration when blocks are FSDP units (a
         no-op otherwise): for a pass that calls block methods outside their FSDP hooks
         and consumes its own gradient within the forward (``teach_pass``'s pass A)."""
-        units = [b for b in self.blocks if isinstance(b, FSDPModule)]
+        # A block can only be an FSDP unit once torch.distributed.fsdp is loaded; looked
+        # up here, not imported, because that import costs every stage ~1 s.
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        units = [b for b in self.blocks if fsdp is not None and isinstance(b, fsdp.FSDPModule)]
         for unit in units:
             unit.unshard()
         try:

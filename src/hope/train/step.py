@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from hope.model.lm import LanguageModel
 from hope.optim.groups import HybridOptimizer
-from hope.train.distributed import Wrapped, accumulating
+
+if TYPE_CHECKING:
+    from hope.train.distributed import Wrapped
+
+
+def _accumulating(ddp: Wrapped | None, last: bool) -> contextlib.AbstractContextManager[None]:
+    """``hope.train.distributed.accumulating``, that module loaded only with a wrapper:
+    it imports torch.distributed's FSDP, ~0.6 s of every eval stage's start."""
+    if ddp is None:
+        return contextlib.nullcontext()
+    from hope.train.distributed import accumulating
+
+    return accumulating(ddp, last)
 
 
 def autocast(
@@ -74,7 +86,7 @@ def train_step(
     )
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
-        with accumulating(ddp, last):
+        with _accumulating(ddp, last):
             with autocast(x.device, amp_dtype):
                 loss = compute(x[part], y[part])
             weight = (part.stop - part.start) / rows
