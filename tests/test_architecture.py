@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -136,6 +138,27 @@ def test_the_layer_check_sees_a_lazy_import(tmp_path: Path) -> None:
     module.write_text("def f():\n    from hope.train.loop import train\n    return train\n")
     assert _imports(module, top_level_only=False) == {"hope.train.loop"}
     assert _imports(module, top_level_only=True) == set()
+
+
+# Modules behind the stages that never wrap a model for several processes: they must
+# start without torch.distributed's FSDP, whose import costs each stage ~1 s.
+NO_FSDP_MODULES = (
+    "hope.eval.run", "hope.eval.zeroshot", "hope.eval.harness", "hope.eval.niah",
+    "hope.eval.longctx", "hope.eval.continual", "hope.eval.recall", "hope.bench.run",
+    "hope.report.bundle", "hope.infer",
+)  # fmt: skip
+
+
+def _loads_fsdp(modules: typing.Iterable[str]) -> bool:
+    """Whether a fresh interpreter that imports ``modules`` has loaded FSDP."""
+    code = f"import sys, {', '.join(modules)}; print('torch.distributed.fsdp' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return run.stdout.strip() == "True"
+
+
+def test_only_training_loads_fsdp() -> None:
+    assert not _loads_fsdp(NO_FSDP_MODULES)
+    assert _loads_fsdp(["hope.train.loop"])  # training may wrap the model: it loads it
 
 
 def _mechanism_sections() -> set[str]:
