@@ -27,6 +27,8 @@ lint: setup
 	mypy
 
 # One pytest worker per core (at most 8), each at one torch thread, one file per
-# worker (tests/conftest.py).
+# worker, the files with slow tests handed out first (tests/conftest.py; xdist's
+# own reordering by test count would hand them out last). docs/TESTING.md: timings.
 test: lint
-	pytest -q --numprocesses auto --maxprocesses 8 --dist loadfile --durations=15
+	pytest -q --numprocesses auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder \
+	  --durations=15

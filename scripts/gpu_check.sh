@@ -11,8 +11,9 @@
 #      (a captured and replayed training step and run equal the eager ones); compile
 #      parity (the torch.compile'd memory chunk steps equal eager ones, through
 #      inductor); the fused backend's Triton kernels against their PyTorch forms
-#      (tests/test_fused_ops.py); FLA parity where flash-linear-attention is installed;
-#      an untimed fused bench of the pilot rows that compiles their Triton kernels,
+#      (tests/test_fused_ops.py); every Triton specialisation the parity tests launch
+#      compiled for sm_90 with TF32 products (CI compiles one per kernel); FLA parity
+#      where flash-linear-attention is installed; an untimed fused bench of the pilot rows that compiles their Triton kernels,
 #   2. with two GPUs or more, DDP and FSDP2 over NCCL: every variant on 2 ranks equals
 #      one process (tests/dist_variants_worker.py on CUDA),
 #   3. alone on the GPU, the bench (tokens/s, MFU, peak memory, launches, host syncs)
@@ -152,6 +153,11 @@ start_part compile_parity 120 env HOPE_TEST_INDUCTOR=1 python -m pytest -v --tb=
 # (240 s: it compiles every fused kernel, the SMT walks' included, in float32 first.)
 start_part fused_parity 240 python -m pytest -v --tb=short -p no:cacheprovider -rs \
   tests/test_fused_ops.py -k "on_cuda"
+# CI compiles one specialisation of each kernel for sm_90 (the one with the most
+# constexpr branches on); here every one the parity tests launch (126, TF32
+# products as a bf16 run makes them), one process per core, beside the GPU parts.
+start_part triton_compile_all 300 python -m pytest -q --tb=short -p no:cacheprovider -rs \
+  -m triton_full tests/test_fused_ops.py
 # Triton compiles a kernel on its first call and keeps it in its on-disk cache: one
 # untimed bench of the fused pilot rows here (bf16, the benches' own sizes and flags)
 # compiles what the timed fused benches below run, beside the parts above, so their

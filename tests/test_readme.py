@@ -22,7 +22,7 @@ COVERED = {
     r"snakemake --cores 2": f"{E2E}::test_snakemake_mirror_reproduces_dvc_bit_for_bit",
     r"snakemake --profile configs/slurm": "tests/test_slurm_profile.py",
     r"snakemake --profile configs/slurm reports/train\.json": (
-        "tests/test_slurm_profile.py::test_slurm_profile_trains_on_two_nodes"
+        "tests/test_slurm_profile.py::test_slurm_profile_runs_pipeline_through_sbatch"
     ),
     r"python stages/release.py --verify release": E2E,
     r"python stages/train.py --set train.nproc_per_node=2 --set (train.micro_batch_size=4|"

@@ -220,11 +220,21 @@ def test_fake_sbatch_reports_the_job_exit_code(
 
 @pytest.mark.slow
 def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
+    """The whole DAG through the profile, training on two nodes (train.nnodes=2; the
+    README's multi-node command, then its plain one for the rest): every rule is one
+    job with the profile's and the params' resources, run through srun inside its job;
+    the train job spans 2 nodes with one task each, the rule's own srun starts the
+    stage once per node, each copy starts torchrun with its local rank and they meet
+    at the first node (`scontrol show hostnames`). The 2 ranks train what one process
+    trains on the same global batch, and the evaluations run on what they trained."""
     repo = copy_repo(tmp_path / "repo")
-    set_params(repo, SMALL_RUN)
+    set_params(repo, {**SMALL_RUN, ("train", "nnodes"): 2})
     log, state = tmp_path / "fake_slurm.log", tmp_path / "fake_slurm_state"
-    result = _run_snakemake(repo, log, state)
-    print(result.stdout[-3000:])
+    # The README's two commands: training alone, then the rest of the DAG on top of it.
+    print(_run_snakemake(repo, log, state, "reports/train.json").stdout[-3000:])
+    first = [_options(argv)["--comment"] for argv in _calls(log, "sbatch")]
+    assert sorted(first) == ["rule_download", "rule_shard", "rule_tokenizer", "rule_train"]
+    print(_run_snakemake(repo, log, state).stdout[-3000:])
 
     assert (repo / "release" / "MANIFEST").is_file()
     assert (repo / "reports" / "eval.json").is_file()
@@ -244,8 +254,10 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     assert sorted(by_rule) == sorted(rules)
     assert all(len(submissions) == 1 for submissions in by_rule.values()), by_rule
 
-    run_ids = {options["--job-name"] for options in sbatch}
-    assert len(run_ids) == 1, "all jobs of one run share the run id as job name"
+    # All jobs of one run share the run id as job name; the two runs have two.
+    run_ids = [options["--job-name"] for options in sbatch]
+    assert len(set(run_ids[: len(first)])) == len(set(run_ids[len(first) :])) == 1, run_ids
+    assert len(set(run_ids)) == 2, run_ids
     for rule in rules:
         options, expected = by_rule[rule][0], _expected_resources(rule, repo)
         assert "--parsable" in options and options["-D"] == str(repo), rule
@@ -260,12 +272,24 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     assert not any("--gpus" in jobs[0] for jobs in by_rule.values())
     for cpu_rule in ("download", "tokenizer", "shard"):
         assert "--gpus" not in by_rule[cpu_rule][0]
+    # Training: one job over 2 nodes with one task each, no GPU option on a CPU.
+    train_job = by_rule["train"][0]
+    assert train_job["--nodes"] == "2" and train_job["--ntasks"] == "2", train_job
+    assert "--ntasks-per-gpu" not in train_job
+    assert all("--nodes" not in jobs[0] for rule, jobs in by_rule.items() if rule != "train")
 
     # Inside each job the jobstep plugin ran its rule through srun with the same CPUs
-    # and GPUs; the step's command names the rule with --allowed-rules.
-    steps = dict(_step(argv) for argv in _calls(log, "srun"))
-    assert sorted(steps) == sorted(rules)
-    for rule in rules:
+    # and GPUs; the step's command names the rule with --allowed-rules. The train
+    # rule's own srun starts the stage once per node; the copies meet at the first.
+    sruns = _calls(log, "srun")
+    launches = [argv for argv in sruns if "--ntasks-per-node=1" in argv]
+    assert len(launches) == 1 and "--nodes=2" in launches[0], launches
+    assert launches[0][-2:] == ["python", "stages/train.py"], launches
+    assert ["show", "hostnames", "127.0.0.1,127.0.0.2"] in _calls(log, "scontrol")
+    # (No jobstep wraps the multi-node rule: its job runs that srun itself.)
+    steps = dict(_step(argv) for argv in sruns if "--allowed-rules" in argv)
+    assert sorted(steps) == sorted(rule for rule in rules if rule != "train")
+    for rule in steps:
         expected = _expected_resources(rule, repo)
         assert steps[rule]["--cpus-per-task"] == str(expected["cpus_per_task"]), rule
         gpu = expected.get("gpu")
@@ -276,30 +300,8 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     states = [f.read_text().split("|")[1] for f in state.glob("*.state")]
     assert states == ["COMPLETED"] * len(rules)
 
-
-@pytest.mark.slow
-def test_slurm_profile_trains_on_two_nodes(tmp_path: Path) -> None:
-    """train.nnodes=2 through the profile (the README's multi-node command): one job
-    over 2 nodes with one task each; the rule's own srun starts the stage once per
-    node, each copy starts torchrun with its local rank and they meet at the first
-    node (`scontrol show hostnames`). The 2 ranks train what one process trains on the
-    same global batch."""
-    repo = copy_repo(tmp_path / "repo")
-    set_params(repo, {**SMALL_RUN, ("train", "nnodes"): 2})
-    log, state = tmp_path / "fake_slurm.log", tmp_path / "fake_slurm_state"
-    print(_run_snakemake(repo, log, state, "reports/train.json").stdout[-3000:])
-
-    jobs = [_options(argv) for argv in _calls(log, "sbatch")]
-    train_job = next(job for job in jobs if job["--comment"] == "rule_train")
-    assert train_job["--nodes"] == "2" and train_job["--ntasks"] == "2", train_job
-    assert "--gpus" not in train_job and "--ntasks-per-gpu" not in train_job
-    launches = [argv for argv in _calls(log, "srun") if "--ntasks-per-node=1" in argv]
-    assert len(launches) == 1 and "--nodes=2" in launches[0], launches
-    assert launches[0][-2:] == ["python", "stages/train.py"], launches
-    assert ["show", "hostnames", "127.0.0.1,127.0.0.2"] in _calls(log, "scontrol")
     meta = json.loads((repo / "reports/train_meta.json").read_text())
     assert meta["runtime"]["world_size"] == 2
-
     single = tmp_path / "single"
     shutil.copytree(repo, single, ignore=shutil.ignore_patterns("models", "reports", ".snakemake"))
     run([sys.executable, "stages/train.py", "--set", "train.nnodes=1"], single)
