@@ -25,7 +25,7 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    return run_stage(__doc__, body)
+    return run_stage(__doc__, body, outputs=(TOKENIZER_DIR,))
 
 
 if __name__ == "__main__":

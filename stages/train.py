@@ -45,4 +45,4 @@ def main(cfg: Config, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_stage(__doc__, main))
+    raise SystemExit(run_stage(__doc__, main, outputs=(CKPT_DIR, REPORT_DIR)))

@@ -37,7 +37,7 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    return run_stage(__doc__, body)
+    return run_stage(__doc__, body, outputs=(REPORT.parent, ITEMS_DIR))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from hope.config import Config, load_config
 from hope.errors import ConfigError, StageError
+from hope.io import check_writable
 
 
 def stage_parser(description: str | None) -> argparse.ArgumentParser:
@@ -37,8 +39,10 @@ def run_stage(
     body: Callable[[Config, argparse.Namespace], None],
     argv: Sequence[str] | None = None,
     extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    outputs: Sequence[Path] = (),
 ) -> int:
-    """Parse args, load the config, run ``body``; map known errors to exit code 2."""
+    """Parse args, load the config, check that the ``outputs`` folders are writable, run
+    ``body``; map known errors to exit code 2."""
     parser = stage_parser(description)
     if extra_args is not None:
         extra_args(parser)
@@ -46,6 +50,7 @@ def run_stage(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.params, args.overrides)
+        check_writable(outputs)
         body(cfg, args)
     except (ConfigError, StageError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -8,13 +8,14 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from hope.errors import StageError
 
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# A full disk, a full quota, a file-size limit (ulimit -f, with SIGXFSZ ignored).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def no_space_error(path: Path, err: OSError) -> StageError:
@@ -24,6 +25,20 @@ def no_space_error(path: Path, err: OSError) -> StageError:
         "the partial file was removed and any previous version is intact: free space "
         "and rerun"
     )
+
+
+def space_cause(err: BaseException) -> OSError | None:
+    """The out-of-space ``OSError`` behind ``err``, if any: itself, or one it was raised
+    from or while handling (``torch.save`` into a file object turns the file's
+    ``OSError`` into a ``RuntimeError`` raised while handling it)."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in NO_SPACE:
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _current_umask() -> int:
@@ -70,9 +85,31 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno in NO_SPACE:
-            raise no_space_error(path, err) from None
+        full = space_cause(err)
+        if full is not None:
+            raise no_space_error(path, full) from None
+        if isinstance(err, PermissionError):
+            raise StageError(f"{path}: not writable ({err.strerror}); fix the folder's "
+                             "permissions and rerun") from None  # fmt: skip
         raise
+
+
+def check_writable(folders: Iterable[Path]) -> None:
+    """A file can be created in each folder (or, for one not made yet, in its nearest
+    existing parent; nothing is left behind): a stage checks the folders it writes
+    before its work, so a read-only one is named at once instead of after the work."""
+    for folder in folders:
+        existing = Path(folder).absolute()
+        while not existing.is_dir() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as err:
+            raise StageError(
+                f"{existing}: not writable ({err.strerror}); this stage writes {folder} "
+                "there: fix its permissions (or free the disk) and rerun"
+            ) from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:

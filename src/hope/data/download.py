@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from hope.config import Config, DataConfig, save_config
-from hope.data.sources import describe_source, iter_documents
+from hope.data.sources import check_local_texts, describe_source, iter_documents
 from hope.errors import StageError
 from hope.io import atomic_write, atomic_write_json, remove_stale_temps
 
@@ -227,6 +227,8 @@ def _filter_and_split(
 def run_download(cfg: Config, out_dir: Path) -> dict[str, Any]:
     """Collect, filter, deduplicate and split ``cfg.data.source``; return the manifest."""
     data = cfg.data
+    if data.source == "local":  # a file that is not UTF-8 is named before anything is written
+        check_local_texts(data.local_glob)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

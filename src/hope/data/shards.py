@@ -27,11 +27,11 @@ from hope.data.download import SPLITS, iter_jsonl_texts
 from hope.data.tokenizer import load_tokenizer
 from hope.errors import StageError
 from hope.io import (
-    NO_SPACE,
     atomic_write_json,
     no_space_error,
     remove_stale_temps,
     sha256_file,
+    space_cause,
 )
 
 log = logging.getLogger(__name__)
@@ -145,8 +145,9 @@ def write_shards(
             shards = writer.finish()
         except BaseException as err:
             writer.abort()
-            if isinstance(err, OSError) and err.errno in NO_SPACE:
-                raise no_space_error(out_dir / f"{split}_*.bin", err) from None
+            full = space_cause(err)
+            if full is not None:
+                raise no_space_error(out_dir / f"{split}_*.bin", full) from None
             raise
         splits[split] = {
             "documents": documents,
@@ -235,8 +236,12 @@ def load_split(
     if split not in manifest["splits"]:
         raise StageError(f"{shard_dir}/manifest.json has no split {split!r}")
     if tokenizer_model is not None:
-        actual = sha256_file(Path(tokenizer_model)) if Path(tokenizer_model).is_file() else None
-        if actual != manifest["tokenizer_sha256"]:
+        if not Path(tokenizer_model).is_file():
+            raise StageError(
+                f"tokenizer {tokenizer_model} is missing (the shards in {shard_dir} need "
+                "it); rebuild it with `dvc repro tokenizer` or `python stages/tokenizer.py`"
+            )
+        if sha256_file(Path(tokenizer_model)) != manifest["tokenizer_sha256"]:
             raise StageError(
                 f"shards in {shard_dir} were made with another tokenizer than {tokenizer_model} "
                 "(sha256 differs); rerun `python stages/shard.py`"

@@ -15,6 +15,7 @@ download stage can filter, deduplicate and split them in one streaming pass.
 from __future__ import annotations
 
 import ast
+import codecs
 import glob
 import json
 import os
@@ -270,14 +271,51 @@ def _parquet_documents(path: Path, column: str) -> Iterator[str]:
         yield from (t if isinstance(t, str) else "" for t in batch.column(0).to_pylist())
 
 
+def _not_utf8(path: Path, err: UnicodeDecodeError, offset: int | None) -> StageError:
+    """``offset``: where the decoded bytes start in the file (None: unknown)."""
+    where = f"byte {offset + err.start}: " if offset is not None else ""
+    return StageError(
+        f"{path}: not UTF-8 text ({where}{err.reason}); convert it "
+        "(e.g. `iconv -f latin1 -t utf-8`) or leave it out of data.local_glob"
+    )
+
+
+def check_local_texts(pattern: str, block: int = 1 << 20) -> None:
+    """Every text file (.txt, .jsonl) matching ``pattern`` decodes as UTF-8: checked,
+    one streamed read each, before the download stage writes anything, so a bad file
+    is named at once rather than after part of the corpus was split."""
+    for path in local_files(pattern):
+        if path.suffix.lower() not in (".txt", ".jsonl"):
+            continue
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with open(path, "rb") as handle:
+            while True:
+                chunk = handle.read(block)
+                held = len(decoder.getstate()[0])  # a character's bytes cut by the block
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as err:
+                    raise _not_utf8(path, err, offset - held) from None
+                if not chunk:
+                    break
+                offset += len(chunk)
+
+
 def local_documents(pattern: str, column: str = "text") -> Iterator[str]:
     """Documents from the files matching ``pattern`` (sorted paths)."""
     for path in local_files(pattern):
         suffix = path.suffix.lower()
         if suffix == ".txt":
-            yield path.read_text(encoding="utf-8")
+            data = path.read_bytes()
+            try:
+                yield data.decode("utf-8")
+            except UnicodeDecodeError as err:  # changed since check_local_texts
+                raise _not_utf8(path, err, 0) from None
         elif suffix == ".jsonl":
-            yield from _jsonl_documents(path, column)
+            try:
+                yield from _jsonl_documents(path, column)
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, err, None) from None
         elif suffix == ".parquet":
             yield from _parquet_documents(path, column)
         else:

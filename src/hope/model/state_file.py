@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hope.io import remove_stale_temps
@@ -108,9 +108,17 @@ def load_state_file(model: LanguageModel, path: Path) -> LMState:
     """The state saved by ``save_state_file`` for this model, on the model's device."""
     if not path.is_file():
         raise FileNotFoundError(f"state file {path} not found")
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except (OSError, RuntimeError, ValueError, SafetensorError) as err:
+        raise ValueError(
+            f"state file {path} is not a readable safetensors file ({err}); it may be "
+            "truncated: write it again with `hope memorize`"
+        ) from None
+    if _META_MODEL not in metadata or _META_STATE not in metadata:
+        raise ValueError(f"state file {path} holds no fast state (not written by `hope memorize`)")
     if metadata.get(_META_MODEL) != model_fingerprint(model):
         raise ValueError(
             f"state file {path} was written by another model config "

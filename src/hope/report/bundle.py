@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from torch import nn
 
@@ -130,7 +130,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
         tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
-    except (OSError, RuntimeError, ValueError) as err:  # SafetensorError subclasses these
+    except (OSError, RuntimeError, ValueError, SafetensorError) as err:
         raise StageError(f"{path}: cannot read weights: {err}") from None
     aliases: dict[str, str] = json.loads(meta.get(_ALIASES_KEY, "{}"))
     state = dict(tensors)

@@ -103,6 +103,36 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+SUPERSEDED = "superseded"  # where a changed run's predecessor is kept, inside ckpt_dir
+
+
+def aside_path(ckpt_dir: Path, payload: dict[str, Any]) -> Path:
+    """Where the run that wrote ``payload`` is kept when a changed config or data
+    starts a fresh one: ``<ckpt_dir>/superseded/<its fingerprint>-step<its step>``
+    (``-2``, ``-3``... if that run was set aside before)."""
+    name = f"{payload.get('fingerprint', 'unknown')}-step{int(payload.get('step', 0))}"
+    base = Path(ckpt_dir) / SUPERSEDED / name
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{name}-{n}")
+    return path
+
+
+def set_aside(ckpt_dir: Path, aside: Path, reports: list[Path]) -> None:
+    """Move every checkpoint of ``ckpt_dir`` (with its digest) and the ``reports`` that
+    exist into ``aside``: renames within one file system, nothing copied or deleted,
+    so the earlier run can be resumed by moving its files back."""
+    aside.mkdir(parents=True)
+    for path in list_checkpoints(ckpt_dir):
+        for part in (path, digest_path(path)):
+            if part.exists():
+                part.replace(aside / part.name)
+    for report in reports:
+        if report.is_file():
+            shutil.move(report, aside / report.name)  # reports/ may be another file system
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     paths = list_checkpoints(ckpt_dir)
     return paths[-1] if paths else None
@@ -156,13 +186,21 @@ def digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def _save_to(payload: dict[str, Any], path: Path) -> None:
+    """``torch.save`` through a Python file, so that a full disk surfaces as the file's
+    ``OSError`` (ENOSPC, EFBIG) behind torch's ``RuntimeError``, which ``atomic_write``
+    reports as such; saving to a path fails inside C++ streams with no errno."""
+    with open(path, "wb") as handle:
+        torch.save(payload, handle)
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, payload: dict[str, Any], keep: int = 2) -> Path:
     """Write ``step_{step:07d}.pt`` atomically and its sha256 beside it, then delete all
     but the newest ``keep``. A kill at any instant leaves every older checkpoint intact."""
     if keep < 1:
         raise ValueError(f"train.keep_checkpoints={keep} must be >= 1")
     path = checkpoint_path(ckpt_dir, step)
-    atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    atomic_write(path, lambda tmp: _save_to(payload, tmp))
     atomic_write_text(digest_path(path), f"{sha256_file(path)}  {path.name}\n")
     prune(ckpt_dir, keep)
     return path

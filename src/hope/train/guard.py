@@ -81,7 +81,38 @@ class NonFiniteWatch:
         self.count.zero_()
         self.verified_step = step
 
-    def total(self, env: dist_env.DistEnv) -> int:
-        """The count summed over ranks: one host read, at a log/validation/checkpoint
-        step (all ranks agree)."""
-        return int(dist_env.all_reduce_sum(self.count.clone(), env).item())
+    def total(
+        self, env: dist_env.DistEnv, params: list[torch.Tensor] | None = None
+    ) -> tuple[int, bool]:
+        """The count summed over ranks and, given ``params``, whether any of them is no
+        longer finite (``train.nan_policy=skip``: a finite gradient may still step the
+        weights to inf): one host read, at a log/validation/checkpoint step (all ranks
+        agree)."""
+        bad_weights = torch.zeros_like(self.count)
+        if params:
+            norms = torch.stack(torch._foreach_norm(params))
+            bad_weights = (~torch.isfinite(norms)).any().to(torch.int64)
+        counts = dist_env.all_reduce_sum(torch.stack((self.count, bad_weights)), env)
+        losses, weights = counts.tolist()
+        return int(losses), bool(weights)
+
+
+def divergence_error(
+    what: str, span: str, policy: str, rewinds: int, last_good: str | None
+) -> StageError:
+    """The one line ending a diverged run: what went wrong where, under which policy,
+    the last good checkpoint (``last_good``, None: none) and what is left to do, never
+    the policy already set."""
+    kept = f"the last good checkpoint ({last_good}) is intact" if last_good else "no checkpoint"
+    setting = f"train.nan_policy={policy}"
+    if policy == "rewind":
+        setting += f", after {rewinds} rewinds" if last_good else ", nothing to rewind to"
+    also = {
+        "stop": ", or set train.nan_policy=rewind",
+        "rewind": "",
+        "skip": " (skipping steps cannot undo it), or set train.nan_policy=rewind",
+    }
+    return StageError(
+        f"train: {what} in {span} ({setting}); {kept}: lower optim.lr{also[policy]} (a new "
+        "optim.lr starts a fresh run, keeping this run's checkpoints aside)"
+    )

@@ -24,17 +24,17 @@ from hope.config import Config, save_config
 from hope.data.batches import eval_batches, random_batch
 from hope.data.shards import ShardedTokens, load_split
 from hope.errors import StageError
-from hope.io import split_records, write_metrics
+from hope.io import meta_path, split_records, write_metrics
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env
 from hope.train import graphed, state_dicts
 from hope.train.device import autocast_dtype, resolve_device, runtime_record, setup_runtime, upload
-from hope.train.guard import NonFiniteWatch, RunLock
+from hope.train.guard import NonFiniteWatch, RunLock, divergence_error
 from hope.train.logger import SilentLogger, TrainLogger, write_tsv
 from hope.train.schedule import build_scheduler, current_lr
-from hope.train.step import evaluate_loss, micro_slices, train_step
+from hope.train.step import evaluate_loss, rank_share_sums, train_step
 
 log = logging.getLogger("hope.train")
 
@@ -92,6 +92,7 @@ class Trainer:
         self.skipped = 0  # steps skipped in the run (train.nan_policy=skip)
         self.interval_skipped = 0
         self.watch = NonFiniteWatch(self.device, 0)
+        self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
 
     def restore_or_reset(self) -> None:
         found = ckpt.latest_intact(self.ckpt_dir, self.device)
@@ -107,14 +108,16 @@ class Trainer:
             if payload.get(key) != mine
         ]
         if changed:
+            # Never mixing runs, never deleting one: the old run's checkpoints and
+            # reports move aside before this run writes anything of its own.
+            aside = ckpt.aside_path(self.ckpt_dir, payload)
             log.warning(
-                "%s changed since %s: starting fresh and deleting old checkpoints "
-                "(never mixing runs)",
-                " and ".join(changed),
-                latest.name,
-            )
+                "%s changed since %s: starting fresh; the earlier run's checkpoints and "
+                "reports are kept in %s (delete it when no longer needed)",
+                " and ".join(changed), latest.name, aside,
+            )  # fmt: skip
             if self.env.is_main:
-                ckpt.prune(self.ckpt_dir, keep=0)
+                ckpt.set_aside(self.ckpt_dir, aside, reports=self.reports())
             return
         self.restore(payload)
         log.info("resuming from step %d (%s)", self.step, latest.name)
@@ -136,21 +139,23 @@ class Trainer:
         self.interval_skipped = int(payload.get("interval_skipped", 0))
         self.watch.reset(self.step)
 
-    def on_nonfinite(self) -> None:
-        """A non-finite loss since the last verified step: stop, or rewind to the newest
-        intact checkpoint (all saved with finite losses) with a lower learning rate."""
+    def on_nonfinite(self, what: str = "non-finite loss", span: str | None = None) -> None:
+        """``what`` went wrong in ``span`` (default: the steps since the last verified
+        one): stop, or rewind to the newest intact checkpoint (all saved with finite
+        losses; under ``rewind`` the run's initial state is one) with a lower rate."""
         cfg = self.cfg.train
-        span = f"steps {self.watch.verified_step + 1}..{self.step}"
+        span = span or f"steps {self.watch.verified_step + 1}..{self.step}"
         found = ckpt.latest_intact(self.ckpt_dir, self.device)
-        good = found[0].name if found else "none yet"
-        if cfg.nan_policy == "stop" or self.rewinds >= cfg.nan_max_rewinds or found is None:
-            why = f"after {self.rewinds} rewinds" if cfg.nan_policy == "rewind" else "stop"
-            raise StageError(
-                f"train: non-finite loss in {span} (train.nan_policy={cfg.nan_policy}, {why}); "
-                f"the last good checkpoint ({good}) is intact: lower optim.lr, or set "
-                "train.nan_policy=rewind"
-            )
-        path, payload = found
+        if cfg.nan_policy == "rewind" and found is not None and self.rewinds < cfg.nan_max_rewinds:
+            self.rewind(span, what, *found)
+            return
+        kept = found[0].name if found else None
+        raise divergence_error(what, span, cfg.nan_policy, self.rewinds, kept)
+
+    def rewind(self, span: str, what: str, path: Path, payload: dict[str, Any]) -> None:
+        """Back to the checkpoint ``payload`` (at ``path``) with the learning rate times
+        ``train.nan_lr_factor``."""
+        cfg = self.cfg.train
         rewinds = self.rewinds + 1
         self.restore(payload)
         self.rewinds = rewinds
@@ -159,8 +164,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] *= factor
         log.warning(
-            "non-finite loss in %s: rewinding to %s with the learning rate x%g (rewind %d of %d)",
-            span, path.name, factor, rewinds, cfg.nan_max_rewinds,
+            "%s in %s: rewinding to %s with the learning rate x%g (rewind %d of %d)",
+            what, span, path.name, factor, rewinds, cfg.nan_max_rewinds,
         )  # fmt: skip
 
     def on_skipped(self, count: int) -> None:
@@ -223,6 +228,8 @@ class Trainer:
         if self.env.is_main:
             save_config(self.cfg, self.ckpt_dir / "config.yaml")
         self.restore_or_reset()
+        if self.step == 0 and self.cfg.train.nan_policy == "rewind":
+            self.save()  # the initial state: what a divergence before any checkpoint rewinds to
         if self.final_metrics is not None and self.step >= self.cfg.train.steps:
             log.info("all %d steps already done; rewriting reports", self.step)
             return self.write_reports(self.final_metrics)
@@ -269,7 +276,10 @@ class Trainer:
             is_val = self.step % cfg.val_every == 0 or last
             is_ckpt = self.step % cfg.checkpoint_every == 0 or last
             if is_log or is_val or is_ckpt:  # verify before anything is logged or saved
-                count = self.watch.total(self.env)
+                # Under skip a step with finite gradients may still leave inf weights.
+                count, bad_weights = self.watch.total(self.env, self.params if skip else None)
+                if bad_weights:
+                    self.on_nonfinite("non-finite weight norms")
                 if count and skip:
                     self.on_skipped(count)
                 elif count:
@@ -279,6 +289,10 @@ class Trainer:
                 self.watch.reset(self.step)
             if is_log or is_val:
                 row = self.log_row(is_log, is_val, lr, self.interval_start, interval_tokens)
+                if is_val and not math.isfinite(row["val_loss"]):  # diverged between steps
+                    self.on_nonfinite("non-finite validation loss", f"step {self.step}")
+                    self.interval_start, interval_tokens = time.perf_counter(), 0
+                    continue
                 self.elapsed_s += time.perf_counter() - self.interval_start
                 self.interval_start, interval_tokens = time.perf_counter(), 0
                 logger.log(row)
@@ -319,32 +333,14 @@ class Trainer:
     def validation_loss(self) -> torch.Tensor:
         """Mean CE per target token over the validation batches; with several ranks each
         scores its share of every batch's rows and the sums are reduced."""
+        micro = self.cfg.train.micro_batch_size
         if not self.env.enabled:
-            return evaluate_loss(
-                self.model,
-                self.val_batches,
-                self.device,
-                self.amp_dtype,
-                self.cfg.train.micro_batch_size,
-            )
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (sum, tokens)
-        sharded = dist_env.is_sharded(self.ddp)
-        compute = cast(Any, self.ddp) if sharded else None
-        for x, y in self.val_batches:
-            share = micro_slices(x.shape[0], -(-x.shape[0] // self.env.world_size))
-            idle = self.env.rank >= len(share)
-            if idle and not sharded:
-                continue
-            # Under FSDP every rank joins every forward's gathers: an idle rank scores
-            # one row with weight 0.
-            part = slice(0, 1) if idle else share[self.env.rank]
-            mean = evaluate_loss(
-                self.model, [(x[part], y[part])], self.device, self.amp_dtype,
-                self.cfg.train.micro_batch_size, compute,
-            )  # fmt: skip
-            weight = 0 if idle else y[part].numel()
-            total[0] += mean * weight
-            total[1] += weight
+            return evaluate_loss(self.model, self.val_batches, self.device, self.amp_dtype, micro)
+        compute = cast(Any, self.ddp) if dist_env.is_sharded(self.ddp) else None
+        total = rank_share_sums(
+            self.model, self.val_batches, self.env.rank, self.env.world_size, self.device,
+            self.amp_dtype, micro, compute,
+        )  # fmt: skip
         total = dist_env.all_reduce_sum(total, self.env)
         return total[0] / total[1]
 
@@ -366,6 +362,11 @@ class Trainer:
                 "world_size": self.env.world_size,
             },  # fmt: skip
         }
+
+    def reports(self) -> list[Path]:
+        """The files ``write_reports`` and the logger write."""
+        metrics = self.report_dir / "train.json"
+        return [metrics, meta_path(metrics), self.report_dir / "train_log.tsv"]
 
     def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:
         if self.env.is_main:

@@ -181,3 +181,31 @@ def evaluate_loss(
             count += y[part].numel()
     model.train(was_training)
     return total / max(1, count)
+
+
+def rank_share_sums(
+    model: LanguageModel,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world: int,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    micro_batch: int | None,
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    """(sum of CE over target tokens, target tokens) of rank ``rank``'s share of every
+    batch's rows, float64 on device: summed over ranks, the mean of ``evaluate_loss``.
+    With ``compute`` (an FSDP2 root) every rank joins every forward's gathers, so a rank
+    with no rows of a batch scores one row with weight 0."""
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    for x, y in batches:
+        share = micro_slices(x.shape[0], -(-x.shape[0] // world))
+        idle = rank >= len(share)
+        if idle and compute is None:
+            continue
+        part = slice(0, 1) if idle else share[rank]
+        mean = evaluate_loss(model, [(x[part], y[part])], device, amp_dtype, micro_batch, compute)
+        weight = 0 if idle else y[part].numel()
+        total[0] += mean * weight
+        total[1] += weight
+    return total
