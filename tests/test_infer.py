@@ -175,8 +175,34 @@ def test_diverged_writes_are_refused_not_handed_on(bundle: Path, tmp_path: Path)
     with torch.no_grad():  # a rate no fast state survives
         for level in (lvl for block in run.model.hope_blocks() for lvl in block.cms.levels):
             level.rule.lr = 1e12
-    with pytest.raises(StageError, match="fast state non-finite"):
-        infer.memorize_text(run, "The module defines functions for text. " * 20)
+    text = "The module defines functions for text. " * 20
+    total = len(run.tokenizer.encode(text))
+    with pytest.raises(StageError) as raised:
+        infer.memorize_text(run, text)
+    message = str(raised.value)
+    assert message.startswith("memorize: the fast state diverged: blocks[0].")
+    assert "is non-finite after token " in message and f" of {total} " in message
+
+
+def test_a_diverging_stream_is_an_error_naming_the_memory_and_position(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's extreme inner rate (model.cms_lr=1e12): ``hope score --stream`` stops
+    with one line naming the first fast-state leaf that turned non-finite and after how
+    many tokens, instead of printing a NaN score; fresh windows still score."""
+    extreme = make_bundle(tmp_path / "extreme", "model.cms_lr=1e12")
+    text = tmp_path / "long.txt"
+    text.write_text("The module defines functions for working with text files. " * 30)
+    assert main(["score", "--model", str(extreme), "--stream", str(text)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: score --stream: the fast state diverged: blocks[")
+    assert ".cms" in last and "is non-finite after token " in last, last
+    run = infer.load(extreme)
+    tokens = len(run.tokenizer.encode(text.read_text()))
+    at = int(last.split("after token ")[1].split(" ")[0])
+    assert 0 < at <= tokens and f"of {tokens} " in last
+    assert main(["score", "--model", str(extreme), str(text)]) == 0  # fresh windows
+    assert math.isfinite(json.loads(capsys.readouterr().out)["loss"])
 
 
 def test_hope_refuses_bad_input_with_one_line(bundle: Path, tmp_path, capsys) -> None:

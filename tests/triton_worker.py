@@ -78,6 +78,38 @@ from hope.memory.residual_mlp import overshoot_ratio
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def patch_language_once_per_launch() -> None:
+    """Triton's interpreter maps triton.language onto its own semantics at each launch
+    and again at every call of a nested @triton.jit function: a walk over the modules'
+    members each time (about a third of this worker's time) that, after a function's
+    first call in a launch, finds everything already mapped (the mappings last until
+    the launch restores them). Here each function maps once per launch."""
+    from triton.runtime import interpreter
+
+    mapped: set[int] = set()
+    plain_patch, plain_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+
+    def patch_lang(fn: Any) -> Any:
+        if id(fn) in mapped:
+            return interpreter._LangPatchScope()  # nothing to record or restore
+        mapped.add(id(fn))
+        return plain_patch(fn)
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mapped.clear()
+        try:
+            return plain_launch(self, *args, **kwargs)
+        finally:
+            mapped.clear()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
+
+
+if INTERPRETED:
+    patch_language_once_per_launch()
+
+
 def allow_tf32() -> None:
     """The kernels' fp32 products as a bf16 run makes them (``dot_precision``: "tf32").
     Under the interpreter, which multiplies every tl.dot in full fp32, their operands

@@ -31,9 +31,9 @@ from safetensors import safe_open
 from hope.config import Config, config_from_dict
 from hope.data.tokenizer import load_tokenizer
 from hope.errors import StageError
-from hope.memory.fast_state import tensor_leaves
+from hope.memory.fast_state import first_nonfinite, tensor_leaves
 from hope.model.lm import LanguageModel, LMState
-from hope.model.memorize import IGNORE_INDEX, MemorizeConfig, memorize_sequence
+from hope.model.memorize import IGNORE_INDEX, MemorizeConfig, memorize_chunks, memorize_sequence
 from hope.model.state_file import load_state_file, save_state_file
 from hope.model.zoo import build_model
 from hope.report.bundle import WEIGHTS, load_weights, verify_bundle
@@ -252,12 +252,43 @@ def score_ids(
     model: LanguageModel, ids: list[int], window: int, stream: bool = False
 ) -> tuple[float, int]:
     """Summed next-token CE (nats) and count over ``ids`` (``position_losses``): each
-    window a fresh context, as the ``eval`` stage scores (default), or ``stream``."""
+    window a fresh context, as the ``eval`` stage scores (default), or ``stream``. A
+    score that is not finite is an error naming where it diverged, never a NaN."""
     if len(ids) < 2:
         raise ValueError("score: the text encodes to fewer than two tokens")
     tokens = torch.tensor([ids], device=model.device)
-    total = position_losses(model, tokens, window, stream).sum()
-    return float(total), len(ids) - 1  # the one host read
+    total = float(position_losses(model, tokens, window, stream).sum())  # the one host read
+    if not math.isfinite(total):
+        raise StageError(_where_it_diverged(model, tokens, window, stream))
+    return total, len(ids) - 1
+
+
+@torch.no_grad()
+def _where_it_diverged(
+    model: LanguageModel, tokens: torch.Tensor, window: int, stream: bool
+) -> str:
+    """The score of ``tokens`` was not finite: replay ``position_losses`` window by
+    window (a failure path, so host reads per window are fine) and say which memory's
+    fast state turned non-finite first and after how many tokens, or in which window
+    the logits did."""
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, :-1] = tokens[:, 1:]
+    state: LMState | None = None
+    for start in range(0, tokens.shape[1], window):
+        span = slice(start, start + window)
+        before = state if stream else None
+        logits, state = model.forward_teach(tokens[:, span], targets[:, span], before)
+        end = min(start + window, tokens.shape[1])
+        bad = first_nonfinite(state.blocks, "blocks") if stream else None
+        if bad is not None:
+            return (
+                f"score --stream: the fast state diverged: {bad} is non-finite after token "
+                f"{end} of {tokens.shape[1]} (the test-time writes blew up); score without "
+                "--stream, or in shorter files"
+            )
+        if not bool(logits.isfinite().all()):
+            return f"score: non-finite logits in tokens {start}..{end} of {tokens.shape[1]}"
+    return f"score: the loss over {tokens.shape[1]} tokens is not finite"
 
 
 def score(run: Loaded, text: str, stream: bool = False) -> Score:
@@ -276,9 +307,15 @@ def memorize_text(run: Loaded, text: str, cfg: MemorizeConfig | None = None) -> 
     the writes made non-finite rather than handing it on."""
     state = memorize_sequence(run.model, run.tokenizer.encode, text, cfg)
     if not all(bool(torch.isfinite(t).all()) for t in tensor_leaves(state.blocks)):
+        ids = torch.tensor([run.tokenizer.encode(text)], device=run.model.device)
+        for chunk_state in memorize_chunks(run.model, ids, None, cfg):  # the first bad chunk
+            bad = first_nonfinite(chunk_state.blocks, "blocks")
+            if bad is not None:
+                break
         raise StageError(
-            f"memorising {state.pos} tokens made the fast state non-finite (the test-time "
-            "writes diverged); memorise a shorter text"
+            f"memorize: the fast state diverged: {bad} is non-finite after token "
+            f"{chunk_state.pos} of {state.pos} (the test-time writes blew up); memorise a "
+            "shorter text"
         )
     return state
 

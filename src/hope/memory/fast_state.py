@@ -89,3 +89,28 @@ def tensor_leaves(state: Any) -> list[Tensor]:
 
     map_tensors(state, collect)
     return leaves
+
+
+def named_tensor_leaves(state: Any, path: str = "state") -> list[tuple[str, Tensor]]:
+    """Every tensor leaf with its path through the containers, e.g.
+    ``blocks[1].cms.levels[0].delta_out`` (error messages naming a memory)."""
+    if isinstance(state, Tensor):
+        return [(path, state)]
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        items = [(f".{f.name}", getattr(state, f.name)) for f in dataclasses.fields(state)]
+    elif isinstance(state, (list, tuple)):
+        items = [(f"[{i}]", item) for i, item in enumerate(state)]
+    elif isinstance(state, dict):
+        items = [(f"[{key!r}]", item) for key, item in state.items()]
+    else:
+        return []
+    return [leaf for name, item in items for leaf in named_tensor_leaves(item, path + name)]
+
+
+def first_nonfinite(state: Any, path: str = "state") -> str | None:
+    """The path of the first tensor leaf holding a non-finite value, or None (one host
+    read per leaf: for error reports, never inside a step)."""
+    return next(
+        (name for name, t in named_tensor_leaves(state, path) if not bool(t.isfinite().all())),
+        None,
+    )
