@@ -3,7 +3,8 @@
 Long-context perplexity by position (the PG-19 protocol, hope.eval.longctx) of the
 latest checkpoint in models/checkpoints: long sequences from data/raw/val.jsonl (or
 longctx.hf_name) read through the model's state beyond the training context:
-reports/longctx.json (loss, perplexity, loss per position bucket),
+reports/longctx.json (loss, perplexity, loss per position bucket, streamed and in
+fresh windows of the training context; the largest fast-weight norm),
 reports/longctx_meta.json, reports/longctx.png (loss vs position).
 """
 
@@ -31,12 +32,18 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
         cfg.longctx, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train, cfg.memorize
     )
     write_metrics(REPORT, metrics, records)
-    plot_longctx(
-        metrics["by_position"], records["trained_context"], PLOT,
-        metrics.get("adaptive_by_position"),
-    )  # fmt: skip
-    buckets = ", ".join(f"{s}: {v}" for s, v in metrics["by_position"].items())
-    print(f"longctx: loss {metrics['loss']} over {metrics['tokens']} tokens; by position {buckets}")
+    curves = {
+        "streamed (state carried)": metrics["by_position"],
+        "fresh windows": metrics["fresh_by_position"],
+    }
+    if "adaptive_by_position" in metrics:
+        curves["streamed, memorised"] = metrics["adaptive_by_position"]
+    plot_longctx(curves, records["trained_context"], PLOT)
+    print(
+        f"longctx: loss {metrics['loss']} streamed, {metrics['fresh_loss']} in fresh windows "
+        f"over {metrics['tokens']} tokens (gain {metrics['stream_gain']}); max fast-weight "
+        f"norm {metrics['fast_weight_norm_max']}"
+    )
 
 
 def main() -> int:

@@ -38,6 +38,44 @@ def test_streamed_windows_equal_one_pass_over_the_whole_sequence(variant: str) -
     assert not torch.allclose(fresh[:, 16:], whole[:, 16:])  # fresh windows forget
 
 
+def test_fast_weight_norms_name_every_memory_and_are_the_per_sample_norms() -> None:
+    """Every fast weight a state declares (CMS deltas, SMT and Titans memory weights),
+    by path, as its Frobenius norm per sample; caches, pending buffers, conv tails and
+    momenta are left out; ``NormRecorder`` keeps the max over samples by position."""
+    from hope.eval.longctx import NormRecorder
+    from hope.memory.fast_state import fast_weight_norms, named_tensor_leaves
+
+    for variant, expected in [
+        ("hope", {"blocks[1].cms[1].delta_out", "blocks[0].mixer.memories['k'].w2"}),
+        ("titans_mac", {"blocks[0].memory.memory.w1"}),
+        ("transformer", set()),
+    ]:
+        model = tiny_lm(variant).double()
+        _, state = model(rand_tokens(2, 20, seed=1))
+        norms = fast_weight_norms(state.blocks, "blocks")
+        assert expected <= set(norms), (variant, sorted(norms))
+        leaves = dict(named_tensor_leaves(state.blocks, "blocks"))
+        for name, value in norms.items():
+            assert value.shape == (2,)
+            torch.testing.assert_close(value.double(), leaves[name].flatten(1).norm(dim=1))
+        assert not any("pending" in n or "mom" in n or ".m1" in n for n in norms)
+    recorder = NormRecorder()
+    model, tokens = tiny_lm("hope").double(), rand_tokens(2, 40, seed=2)
+    position_losses(model, tokens, window=16, stream=True, on_window=recorder)
+    table = recorder.table()
+    assert all(list(row) == ["16", "32", "40"] for row in table.values())
+    targets = torch.full_like(tokens, -100)
+    targets[:, :-1] = tokens[:, 1:]
+    state = None
+    assert model.stream_call == 4  # HOPE streams in calls of its fastest CMS period
+    for start in range(0, 40, 4):  # the same calls, the state carried
+        span = slice(start, start + 4)
+        _, state = model.forward_teach(tokens[:, span], targets[:, span], state)
+    last = fast_weight_norms(state.blocks, "blocks")
+    for name in ("blocks[0].cms[0].delta_in", "blocks[1].mixer.memories['mem'].w1"):
+        assert table[name]["40"] == pytest.approx(float(last[name].max()), rel=1e-9)
+
+
 def test_long_sequences_take_the_longest_documents_first_with_eos_between() -> None:
     texts = ["a" * 3, "b" * 10, "c" * 6]
     tokens = long_sequences(texts, lambda t: [ord(c) for c in t], eos=0, length=8, count=2)
@@ -81,8 +119,19 @@ def test_stage_reports_loss_by_position_beyond_the_training_context(
     metrics = json.loads(Path("reports/longctx.json").read_text())
     records = json.loads(Path("reports/longctx_meta.json").read_text())
     assert non_numbers(metrics) == [] and metrics["step"] == 3 and metrics["tokens"] == 2 * 95
-    assert set(metrics["by_position"]) == {"0", "32", "64"}
+    assert set(metrics["by_position"]) == set(metrics["fresh_by_position"]) == {"0", "32", "64"}
+    # The first window is the same context either way (streamed in C1 calls, so only
+    # the teach pass's approximation differs); later ones differ (state carried).
+    assert metrics["fresh_by_position"]["0"] == pytest.approx(metrics["by_position"]["0"], abs=1e-3)
+    assert metrics["fresh_by_position"]["64"] != metrics["by_position"]["64"]
+    assert metrics["stream_gain"] == pytest.approx(metrics["fresh_loss"] - metrics["loss"])
     assert records["window"] == records["trained_context"] == 32  # data.seq_len of the run
+    norms = records["fast_weight_norm_by_position"]  # hope: every CMS delta, SMT memory
+    assert {"blocks[0].cms[0].delta_in", "blocks[0].cms[1].delta_out"} <= set(norms)
+    assert any(".mixer.memories['mem'].w1" in name for name in norms)
+    assert all(set(row) == {"32", "64", "96"} for row in norms.values())  # tokens read
+    assert metrics["fast_weight_norm_max"] == max(v for row in norms.values() for v in row.values())
+    assert norms["blocks[0].cms[0].delta_in"]["32"] > 0  # written within the first window
     assert Path("reports/longctx.png").stat().st_size > 1000
     adaptive = [*argv, "--set=longctx.memorize=true", "--set=memorize.steps=2"]
     assert load_stage("longctx").main_with(adaptive) == 0

@@ -221,6 +221,7 @@ def position_losses(
     window: int,
     stream: bool = False,
     carry: Carry | None = None,
+    on_window: Callable[[int, LMState], None] | None = None,
 ) -> torch.Tensor:
     """Next-token CE (nats, float64) at every position of ``tokens`` [B, T] but the
     last: [B, T - 1], on the device (no host read). Read through ``forward_teach`` (as
@@ -228,17 +229,26 @@ def position_losses(
     context (default), or ``stream``: one context carried across the windows, so a
     position's loss sees everything before it (long context, test-time learning).
     ``carry(window_tokens, state_before, targets)``: with ``stream``, the state the next
-    window starts from (default: the read's own), e.g. the window memorised again."""
+    window starts from (default: the read's own), e.g. the window memorised again.
+    ``on_window(tokens_read, state)``: called after each window with the state it left
+    (e.g. to record fast-weight norms by position; it must not read the device).
+
+    A stream reads each window in calls of at most ``model.stream_call`` tokens (HOPE:
+    its fastest CMS period, so every write's teach signal is fresh; the fresh-window
+    read stays one call per window, as in training)."""
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
     losses = []
     state: LMState | None = None
+    call = (model.stream_call or window) if stream else window
     for start in range(0, tokens.shape[1], window):
         span = slice(start, start + window)
         before = state
-        logits, state = model.forward_teach(tokens[:, span], targets[:, span], state)
+        logits, state = read_window(model, tokens[:, span], targets[:, span], state, call)
         if stream and carry is not None:
             state = carry(tokens[:, span], before, targets[:, span])
+        if on_window is not None:
+            on_window(min(start + window, tokens.shape[1]), state)
         state = state if stream else None
         ce = F.cross_entropy(
             logits.double().transpose(1, 2), targets[:, span],
@@ -246,6 +256,24 @@ def position_losses(
         )  # fmt: skip
         losses.append(ce)
     return torch.cat(losses, dim=1)[:, :-1]
+
+
+def read_window(
+    model: LanguageModel,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    state: LMState | None,
+    call: int,
+) -> tuple[torch.Tensor, LMState]:
+    """``forward_teach`` over tokens, targets [B, W] in calls of ``call`` tokens, the
+    state carried: (logits [B, W, V], the state after them)."""
+    pieces = []
+    for start in range(0, tokens.shape[1], call):
+        span = slice(start, start + call)
+        logits, state = model.forward_teach(tokens[:, span], targets[:, span], state)
+        pieces.append(logits)
+    assert state is not None
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), state
 
 
 def score_ids(
@@ -274,10 +302,11 @@ def _where_it_diverged(
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
     state: LMState | None = None
+    call = (model.stream_call or window) if stream else window
     for start in range(0, tokens.shape[1], window):
         span = slice(start, start + window)
         before = state if stream else None
-        logits, state = model.forward_teach(tokens[:, span], targets[:, span], before)
+        logits, state = read_window(model, tokens[:, span], targets[:, span], before, call)
         end = min(start + window, tokens.shape[1])
         bad = first_nonfinite(state.blocks, "blocks") if stream else None
         if bad is not None:

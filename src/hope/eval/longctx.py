@@ -36,6 +36,7 @@ import torch
 from hope.config import LongctxConfig, MemorizeParams, TrainConfig
 from hope.errors import ConfigError, StageError
 from hope.eval.memorizing import memorize_config, side_by_side
+from hope.memory.fast_state import fast_weight_norms
 from hope.model.lm import LanguageModel, LMState
 from hope.model.memorize import MemorizeConfig, memorize
 
@@ -122,6 +123,43 @@ def memorised_position_losses(
     return position_losses(model, tokens, window, stream=True, carry=carry)
 
 
+class NormRecorder:
+    """``position_losses``' ``on_window`` hook: every memory's per-sample fast-weight
+    norms (``fast_weight_norms``) after each window, kept on the device; ``table()``
+    reads them once, as {memory: {tokens read: max over the samples}}."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def __call__(self, tokens_read: int, state: LMState) -> None:
+        self.taken.append((tokens_read, fast_weight_norms(state.blocks, "blocks")))
+
+    def table(self) -> dict[str, dict[str, float]]:
+        if not self.taken or not self.taken[0][1]:
+            return {}
+        names = list(self.taken[0][1])
+        stacked = torch.stack(
+            [torch.stack([norms[n].max() for n in names]) for _, norms in self.taken]
+        )
+        values = stacked.tolist()  # the one host read
+        table: dict[str, dict[str, float]] = {n: {} for n in names}
+        for (position, _), row in zip(self.taken, values, strict=True):
+            for name, value in zip(names, row, strict=True):
+                key = str(position)
+                table[name][key] = max(table[name].get(key, value), value)
+        return table
+
+
+def streamed_beside_fresh(streamed: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
+    """The streamed report with the fresh-window one beside it (``fresh_loss``,
+    ``fresh_by_position``) and ``stream_gain`` = fresh − streamed loss (> 0: carrying
+    the state helps)."""
+    out = {**streamed, "fresh_loss": fresh["loss"], "fresh_by_position": fresh["by_position"]}
+    both = streamed["loss"] is not None and fresh["loss"] is not None
+    out["stream_gain"] = fresh["loss"] - streamed["loss"] if both else None
+    return out
+
+
 def adaptive_config(
     cfg: LongctxConfig, params: MemorizeParams, model: LanguageModel
 ) -> MemorizeConfig | None:
@@ -186,19 +224,29 @@ def run_longctx(
         load_texts(cfg, raw_val), lambda t: list(sp.encode(t)), sp.eos_id(), cfg.length,
         cfg.sequences,
     )  # fmt: skip
-    plain, adaptive = [], []
+    plain, fresh, adaptive = [], [], []
+    norms = NormRecorder()
     with torch.no_grad(), autocast(device, autocast_dtype(device, train.precision)):
         for start in range(0, tokens.shape[0], cfg.batch_size):
             rows = tokens[start : start + cfg.batch_size].to(device)
-            plain.append(position_losses(model, rows, window, stream=True))
+            plain.append(position_losses(model, rows, window, stream=True, on_window=norms))
+            fresh.append(position_losses(model, rows, window, stream=False))
             if mem is not None:
                 adaptive.append(memorised_position_losses(model, rows, window, mem))
     losses = torch.cat(plain)
     metrics = {"step": step, "tokens": losses.numel(), **report(losses, cfg.bucket)}
+    metrics = streamed_beside_fresh(metrics, report(torch.cat(fresh), cfg.bucket))
     if mem is not None:
         metrics = side_by_side(metrics, report(torch.cat(adaptive), cfg.bucket))
+    by_memory = norms.table()
+    metrics["fast_weight_norm_max"] = (
+        _finite(max(max(row.values()) for row in by_memory.values())) if by_memory else None
+    )
     records = {
         "first_nonfinite_position": first_nonfinite(losses),
+        # Max over the sequences of each memory's fast-weight norm (Frobenius, per
+        # sample) after the window ending at each bucket boundary, streamed.
+        "fast_weight_norm_by_position": by_memory,
         "memorize": None if mem is None else dataclasses.asdict(mem),
         # teach_pass CMS: each window's teach signal from its start weights (the window is
         # the approximation's chunk); exact_online: independent of the window.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -36,6 +37,8 @@ def is_known_zero(tensor: Tensor | None) -> bool:
 @dataclass
 class LevelState:
     """Per-sample fast state of one CMS level (MECHANISMS §5); every tensor has leading B."""
+
+    FAST_WEIGHTS: ClassVar[tuple[str, ...]] = ("delta_in", "delta_out")  # fast_weight_norms
 
     delta_in: Tensor  # [B, h, d]  fast delta of W_in
     delta_out: Tensor  # [B, d, h]  fast delta of W_out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +36,8 @@ from hope.memory.ops.naive import naive_momentum_layers
 @dataclass
 class DeepFastWeights:
     """Fast state of an L-layer memory: weights W_1..W_L and their surprise momenta."""
+
+    FAST_WEIGHTS: ClassVar[tuple[str, ...]] = ("weights",)  # fast_weight_norms
 
     weights: tuple[Tensor, ...]  # W_l [B, H, d_l, d_{l-1}]
     momenta: tuple[Tensor, ...]  # S_l, same shapes

@@ -114,3 +114,32 @@ def first_nonfinite(state: Any, path: str = "state") -> str | None:
         (name for name, t in named_tensor_leaves(state, path) if not bool(t.isfinite().all())),
         None,
     )
+
+
+def fast_weight_norms(state: Any, path: str = "state") -> dict[str, Tensor]:
+    """The per-sample Frobenius norm [B] (float32, on the device) of every fast weight
+    in a nested state, keyed by its path (``blocks[0].cms[1].delta_out``): the fields
+    a state class names in its ``FAST_WEIGHTS`` (a tensor or a tuple of them). Caches,
+    pending buffers, conv tails and momenta are not weights and are left out."""
+    if isinstance(state, Tensor):
+        return {}
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        named = getattr(state, "FAST_WEIGHTS", ())
+        norms: dict[str, Tensor] = {}
+        for f in dataclasses.fields(state):
+            value, where = getattr(state, f.name), f"{path}.{f.name}"
+            if f.name not in named:
+                norms.update(fast_weight_norms(value, where))
+            elif isinstance(value, Tensor):
+                norms[where] = value.detach().float().flatten(1).norm(dim=1)
+            else:
+                for i, t in enumerate(value):
+                    norms[f"{where}[{i}]"] = t.detach().float().flatten(1).norm(dim=1)
+        return norms
+    if isinstance(state, (list, tuple)):
+        items = [(f"[{i}]", item) for i, item in enumerate(state)]
+    elif isinstance(state, dict):
+        items = [(f"[{key!r}]", item) for key, item in state.items()]
+    else:
+        return {}
+    return {k: v for name, item in items for k, v in fast_weight_norms(item, path + name).items()}

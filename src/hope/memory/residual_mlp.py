@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, cast
+from typing import ClassVar, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,8 @@ def add_residual(out: Tensor, z: Tensor, residual: Residual) -> Tensor:
 @dataclass
 class FastWeights:
     """One memory's fast state; every tensor has a leading batch axis B."""
+
+    FAST_WEIGHTS: ClassVar[tuple[str, ...]] = ("w1", "w2")  # fast_weight_norms
 
     w1: Tensor  # [B, H, d_out, h_m]
     w2: Tensor  # [B, H, h_m, d_in]

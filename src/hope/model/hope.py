@@ -218,6 +218,11 @@ class HopeLM(LanguageModel):
     def gathers_all_blocks(self) -> bool:
         return self.cms_mode == "teach_pass"  # pass A (model/teach.py)
 
+    @property
+    def stream_call(self) -> int | None:
+        """C1 unless the levels write online (``exact_online`` refreshes δ per chunk)."""
+        return None if self.cms_mode == "exact_online" else self.piece
+
     def hope_blocks(self) -> list[HopeBlock]:
         return [cast(HopeBlock, b) for b in self.blocks]
 

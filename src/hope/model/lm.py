@@ -195,6 +195,15 @@ class LanguageModel(nn.Module):
         del targets
         return self(tokens, state)
 
+    @property
+    def stream_call(self) -> int | None:
+        """The longest call a stream should be read in (``infer.position_losses``),
+        or None: any. A model whose teach signal is taken once per call at the
+        call-start weights (HOPE's ``teach_pass``) gives its fastest CMS period: a
+        longer call applies several writes from one stale signal, and beyond the
+        training context they can overshoot (docs/STREAMING.md)."""
+        return None
+
     def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token CE of ``forward_teach`` on a fresh context (fp32; fp64 for an
         fp64 model). One backward trains every meta parameter, including memories'

@@ -170,17 +170,14 @@ def plot_niah(report: Mapping[str, Mapping[str, Mapping[str, float]]], path: Pat
 
 
 def plot_longctx(
-    buckets: Mapping[str, float | None],
-    trained_context: int,
-    path: Path,
-    adaptive: Mapping[str, float | None] | None = None,
+    curves: Mapping[str, Mapping[str, float | None]], trained_context: int, path: Path
 ) -> None:
-    """Mean next-token loss by position (reports/longctx.json), the training context
-    marked; ``adaptive``: the memorising read beside the plain one."""
+    """Mean next-token loss by position (reports/longctx.json), one line per read
+    (streamed, fresh windows, memorised), the training context marked; a null bucket
+    (diverged) is left out."""
     fig, ax = plt.subplots(figsize=FIGSIZE)
-    curves = {"plain": buckets} if adaptive is None else {"plain": buckets, "memorised": adaptive}
     for label, curve in curves.items():
-        points = sorted((int(s), v) for s, v in curve.items() if v is not None)  # null: diverged
+        points = sorted((int(s), v) for s, v in curve.items() if v is not None)
         xs, ys = [s for s, _ in points], [v for _, v in points]
         ax.plot(xs, ys, marker="o", linewidth=1.2, label=label)
     ax.axvline(trained_context, color="grey", linestyle="--", label="training context")
