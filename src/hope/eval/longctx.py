@@ -134,7 +134,7 @@ class NormRecorder:
     def __call__(self, tokens_read: int, state: LMState) -> None:
         self.taken.append((tokens_read, fast_weight_norms(state.blocks, "blocks")))
 
-    def table(self) -> dict[str, dict[str, float]]:
+    def table(self) -> dict[str, dict[str, float | None]]:
         if not self.taken or not self.taken[0][1]:
             return {}
         names = list(self.taken[0][1])
@@ -142,11 +142,13 @@ class NormRecorder:
             [torch.stack([norms[n].max() for n in names]) for _, norms in self.taken]
         )
         values = stacked.tolist()  # the one host read
-        table: dict[str, dict[str, float]] = {n: {} for n in names}
+        table: dict[str, dict[str, float | None]] = {n: {} for n in names}
         for (position, _), row in zip(self.taken, values, strict=True):
             for name, value in zip(names, row, strict=True):
-                key = str(position)
-                table[name][key] = max(table[name].get(key, value), value)
+                key, value = str(position), _finite(value)
+                seen = table[name].get(key, value)
+                both = value is not None and seen is not None
+                table[name][key] = max(seen, value) if both else None  # type: ignore[type-var]
         return table
 
 
@@ -239,17 +241,18 @@ def run_longctx(
     if mem is not None:
         metrics = side_by_side(metrics, report(torch.cat(adaptive), cfg.bucket))
     by_memory = norms.table()
-    metrics["fast_weight_norm_max"] = (
-        _finite(max(max(row.values()) for row in by_memory.values())) if by_memory else None
-    )
+    every_norm = [v for row in by_memory.values() for v in row.values()]
+    finite = every_norm and all(v is not None for v in every_norm)
+    metrics["fast_weight_norm_max"] = max(every_norm) if finite else None  # type: ignore[type-var]
     records = {
         "first_nonfinite_position": first_nonfinite(losses),
         # Max over the sequences of each memory's fast-weight norm (Frobenius, per
-        # sample) after the window ending at each bucket boundary, streamed.
+        # sample) after each window of the stream (null: not finite).
         "fast_weight_norm_by_position": by_memory,
         "memorize": None if mem is None else dataclasses.asdict(mem),
-        # teach_pass CMS: each window's teach signal from its start weights (the window is
-        # the approximation's chunk); exact_online: independent of the window.
+        # The fresh windows are read in one call each (teach_pass: every write's teach
+        # signal from the call-start weights, as in training); the stream in calls of
+        # model.stream_call (HOPE: the fastest CMS period), every signal fresh.
         "cms_mode": ckpt_cfg.model.cms_mode,
         "variant": ckpt_cfg.model.variant,
         "trained_context": ckpt_cfg.data.seq_len,
