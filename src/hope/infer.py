@@ -231,7 +231,8 @@ def position_losses(
     ``carry(window_tokens, state_before, targets)``: with ``stream``, the state the next
     window starts from (default: the read's own), e.g. the window memorised again.
     ``on_window(tokens_read, state)``: called after each window with the state it left
-    (e.g. to record fast-weight norms by position; it must not read the device).
+    (e.g. to record fast-weight norms by position; outside a failure path it must not
+    read the device).
 
     A stream reads each window in calls of at most ``model.stream_call`` tokens (HOPE:
     its fastest CMS period, so every write's teach signal is fresh; the fresh-window
@@ -295,28 +296,29 @@ def score_ids(
 def _where_it_diverged(
     model: LanguageModel, tokens: torch.Tensor, window: int, stream: bool
 ) -> str:
-    """The score of ``tokens`` was not finite: replay ``position_losses`` window by
-    window (a failure path, so host reads per window are fine) and say which memory's
-    fast state turned non-finite first and after how many tokens, or in which window
-    the logits did."""
-    targets = torch.full_like(tokens, IGNORE_INDEX)
-    targets[:, :-1] = tokens[:, 1:]
-    state: LMState | None = None
-    call = (model.stream_call or window) if stream else window
-    for start in range(0, tokens.shape[1], window):
-        span = slice(start, start + window)
-        before = state if stream else None
-        logits, state = read_window(model, tokens[:, span], targets[:, span], before, call)
-        end = min(start + window, tokens.shape[1])
-        bad = first_nonfinite(state.blocks, "blocks") if stream else None
+    """The score of ``tokens`` was not finite: read them again (``position_losses``,
+    checking the state after each window: a failure path, so host reads are fine) and
+    say which memory's fast state turned non-finite first and after how many tokens, or
+    from which position the loss did."""
+    first_bad: list[tuple[int, str]] = []
+
+    def check(tokens_read: int, state: LMState) -> None:
+        bad = None if first_bad else first_nonfinite(state.blocks, "blocks")
         if bad is not None:
-            return (
-                f"score --stream: the fast state diverged: {bad} is non-finite after token "
-                f"{end} of {tokens.shape[1]} (the test-time writes blew up); score without "
-                "--stream, or in shorter files"
-            )
-        if not bool(logits.isfinite().all()):
-            return f"score: non-finite logits in tokens {start}..{end} of {tokens.shape[1]}"
+            first_bad.append((tokens_read, bad))
+
+    losses = position_losses(model, tokens, window, stream, on_window=check if stream else None)
+    if first_bad:
+        end, bad = first_bad[0]
+        return (
+            f"score --stream: the fast state diverged: {bad} is non-finite after token "
+            f"{end} of {tokens.shape[1]} (the test-time writes blew up); score without "
+            "--stream, or in shorter files"
+        )
+    bad_at = (~losses.isfinite()).any(0).nonzero()
+    if bad_at.numel():
+        at, count = int(bad_at[0]), tokens.shape[1] - 1
+        return f"score: the loss is not finite from prediction {at} of {count} on"
     return f"score: the loss over {tokens.shape[1]} tokens is not finite"
 
 

@@ -185,7 +185,7 @@ def report(losses: torch.Tensor, bucket: int) -> dict[str, Any]:
     }
 
 
-def first_nonfinite(losses: torch.Tensor) -> int | None:
+def first_nonfinite_position(losses: torch.Tensor) -> int | None:
     bad = (~torch.isfinite(losses)).any(0).nonzero()
     diverged = int(bad[0]) if bad.numel() else None
     if diverged is not None:
@@ -245,7 +245,7 @@ def run_longctx(
     finite = every_norm and all(v is not None for v in every_norm)
     metrics["fast_weight_norm_max"] = max(every_norm) if finite else None  # type: ignore[type-var]
     records = {
-        "first_nonfinite_position": first_nonfinite(losses),
+        "first_nonfinite_position": first_nonfinite_position(losses),
         # Max over the sequences of each memory's fast-weight norm (Frobenius, per
         # sample) after each window of the stream (null: not finite).
         "fast_weight_norm_by_position": by_memory,

@@ -91,20 +91,35 @@ def tensor_leaves(state: Any) -> list[Tensor]:
     return leaves
 
 
-def named_tensor_leaves(state: Any, path: str = "state") -> list[tuple[str, Tensor]]:
-    """Every tensor leaf with its path through the containers, e.g.
-    ``blocks[1].cms.levels[0].delta_out`` (error messages naming a memory)."""
-    if isinstance(state, Tensor):
-        return [(path, state)]
+def _children(state: Any) -> list[tuple[str, Any]]:
+    """(path suffix, child) of a container, in ``map_tensors``'s order; [] for a leaf."""
     if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        items = [(f".{f.name}", getattr(state, f.name)) for f in dataclasses.fields(state)]
-    elif isinstance(state, (list, tuple)):
-        items = [(f"[{i}]", item) for i, item in enumerate(state)]
-    elif isinstance(state, dict):
-        items = [(f"[{key!r}]", item) for key, item in state.items()]
-    else:
-        return []
-    return [leaf for name, item in items for leaf in named_tensor_leaves(item, path + name)]
+        return [(f".{f.name}", getattr(state, f.name)) for f in dataclasses.fields(state)]
+    if isinstance(state, (list, tuple)):
+        return [(f"[{i}]", item) for i, item in enumerate(state)]
+    if isinstance(state, dict):
+        return [(f"[{key!r}]", item) for key, item in state.items()]
+    return []
+
+
+def named_tensor_leaves(
+    state: Any, path: str = "state", *, weights_only: bool = False
+) -> list[tuple[str, Tensor]]:
+    """Every tensor leaf with its path through the containers, e.g.
+    ``blocks[1].cms.levels[0].delta_out`` (error messages naming a memory). With
+    ``weights_only``, only the fast weights: the leaves under the fields a state class
+    names in its ``FAST_WEIGHTS`` (caches, pending buffers, conv tails and momenta are
+    not weights)."""
+    if isinstance(state, Tensor):
+        return [] if weights_only else [(path, state)]
+    named = getattr(state, "FAST_WEIGHTS", ()) if weights_only else ()
+    return [
+        leaf
+        for suffix, item in _children(state)
+        for leaf in named_tensor_leaves(
+            item, path + suffix, weights_only=weights_only and suffix[1:] not in named
+        )
+    ]
 
 
 def first_nonfinite(state: Any, path: str = "state") -> str | None:
@@ -118,28 +133,8 @@ def first_nonfinite(state: Any, path: str = "state") -> str | None:
 
 def fast_weight_norms(state: Any, path: str = "state") -> dict[str, Tensor]:
     """The per-sample Frobenius norm [B] (float32, on the device) of every fast weight
-    in a nested state, keyed by its path (``blocks[0].cms[1].delta_out``): the fields
-    a state class names in its ``FAST_WEIGHTS`` (a tensor or a tuple of them). Caches,
-    pending buffers, conv tails and momenta are not weights and are left out."""
-    if isinstance(state, Tensor):
-        return {}
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        named = getattr(state, "FAST_WEIGHTS", ())
-        norms: dict[str, Tensor] = {}
-        for f in dataclasses.fields(state):
-            value, where = getattr(state, f.name), f"{path}.{f.name}"
-            if f.name not in named:
-                norms.update(fast_weight_norms(value, where))
-            elif isinstance(value, Tensor):
-                norms[where] = value.detach().float().flatten(1).norm(dim=1)
-            else:
-                for i, t in enumerate(value):
-                    norms[f"{where}[{i}]"] = t.detach().float().flatten(1).norm(dim=1)
-        return norms
-    if isinstance(state, (list, tuple)):
-        items = [(f"[{i}]", item) for i, item in enumerate(state)]
-    elif isinstance(state, dict):
-        items = [(f"[{key!r}]", item) for key, item in state.items()]
-    else:
-        return {}
-    return {k: v for name, item in items for k, v in fast_weight_norms(item, path + name).items()}
+    in a nested state, keyed by its path (``blocks[0].cms[1].delta_out``)."""
+    return {
+        name: t.detach().float().flatten(1).norm(dim=1)
+        for name, t in named_tensor_leaves(state, path, weights_only=True)
+    }
