@@ -28,7 +28,12 @@ lint: setup
 
 # One pytest worker per core (at most 8), each at one torch thread, one file per
 # worker, the files with slow tests handed out first (tests/conftest.py; xdist's
-# own reordering by test count would hand them out last). docs/TESTING.md: timings.
-test: lint
+# own reordering by test count would hand them out last). mypy (one core, ~25 s)
+# checks beside the tests; either failing fails the target. docs/TESTING.md: timings.
+test: setup
+	ruff check src stages tests
+	@mypy > $(VENV)/mypy.log 2>&1 & mypy_pid=$$!; \
 	pytest -q --numprocesses auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder \
-	  --durations=15
+	  --durations=15; tests=$$?; \
+	wait $$mypy_pid; types=$$?; echo mypy; cat $(VENV)/mypy.log; \
+	exit $$(( tests || types ))

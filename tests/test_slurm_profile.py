@@ -160,6 +160,7 @@ def _run_snakemake(
         PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}",
         FAKE_SLURM_LOG=str(log),
         FAKE_SLURM_STATE=str(state),
+        FAKE_SLURM_WAIT_S="40",  # status queries as long polls (fake_slurm/sacct)
         OMP_NUM_THREADS="1",
     )
     # No stray allocation of an outer job may leak into the fake one.

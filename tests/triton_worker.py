@@ -472,7 +472,7 @@ def step_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
         def rand(*shape: int, scale: float = 1.0, gen: torch.Generator = gen) -> torch.Tensor:
             return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
-        b, h, g = 2, 3, 5 if adaptive else 4
+        b, h, g = 2, 2, 5 if adaptive else 4  # two heads: the head offsets, fewer programs
         w1, w2 = rand(b, (g + own) * h, d, m, scale=0.3), rand(b, (g + own) * h, m, d, scale=0.5)
         w1[:, (g - 2) * h : g * h, 1:] = 0.0  # the scalar memories' padded rows
         mem = (None, None) if own else (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
@@ -546,7 +546,7 @@ def walk_errors(dtype: torch.dtype, device: str) -> dict[str, float]:
                 device, dtype
             )
 
-        b, h, g, c, d, m = 2, 3, 5 if adaptive else 4, 4, 8, 12
+        b, h, g, c, d, m = 2, 2, 5 if adaptive else 4, 4, 8, 12
         w1, w2 = rand(b, (g + own) * h, d, m, scale=0.3), rand(b, (g + own) * h, m, d, scale=0.5)
         mem = (None, None) if own else (rand(b, h, d, m, scale=0.3), rand(b, h, m, d, scale=0.5))
         flags = torch.tensor([1.0] * (g - 2) + [0.0, 0.0] + [1.0] * own, dtype=dtype)
@@ -864,8 +864,12 @@ def main(
         errors |= apply_errors(dtype, device)
         errors |= generation_errors(dtype, device)
         errors |= write_errors(dtype, device)
-        errors |= step_errors(dtype, device)
-        if dtype == torch.float64 or not INTERPRETED:  # the interpreter's float64 is enough
+        # The interpreter's float64 is enough for the SMT's step and walk (interpreted,
+        # they take most of the run): float64 at 1e-13 catches a float32 accumulator, the
+        # sm_90 compile checks the float32 kernels' types, and the TF32 check runs the
+        # step in float32 (``core_errors``); on a GPU both run in float32 too.
+        if dtype == torch.float64 or not INTERPRETED:
+            errors |= step_errors(dtype, device)
             errors |= walk_errors(dtype, device)
         errors |= cms_scan_errors(dtype, device)
         errors |= end_weights_errors(dtype, device)
