@@ -26,14 +26,17 @@ lint: setup
 	ruff check src stages tests
 	mypy
 
-# One pytest worker per core (at most 8), each at one torch thread, one file per
-# worker, the files with slow tests handed out first (tests/conftest.py; xdist's
-# own reordering by test count would hand them out last). mypy (one core, ~25 s)
-# checks beside the tests; either failing fails the target. docs/TESTING.md: timings.
+# One pytest worker per core and one more (at most 8), each at one torch thread, one
+# file per worker, the files with slow tests handed out first (tests/conftest.py;
+# xdist's own reordering by test count would hand them out last). About a sixth of
+# the suite is waiting (stage processes starting, polls, kills at timed moments),
+# which the extra worker fills. mypy (one core, ~25 s) checks beside the tests;
+# either failing fails the target. docs/TESTING.md: timings.
 test: setup
 	ruff check src stages tests
 	@mypy > $(VENV)/mypy.log 2>&1 & mypy_pid=$$!; \
-	pytest -q --numprocesses auto --maxprocesses 8 --dist loadfile --no-loadscope-reorder \
+	workers=$$(( $$(nproc) + 1 )); [ $$workers -le 8 ] || workers=8; \
+	pytest -q --numprocesses $$workers --dist loadfile --no-loadscope-reorder \
 	  --durations=15; tests=$$?; \
 	wait $$mypy_pid; types=$$?; echo mypy; cat $(VENV)/mypy.log; \
 	exit $$(( tests || types ))

@@ -84,6 +84,7 @@ rule train:
     output:
         directory("models/checkpoints"),
         "reports/train.json",
+        "reports/metrics/train.json",
         "reports/train_meta.json",
         "reports/train_log.tsv",
     # Every local rank pins torch to train.num_threads.
@@ -107,6 +108,7 @@ rule eval:
         "data/tokenizer/spm.model",
     output:
         "reports/eval.json",
+        "reports/metrics/eval.json",
         "reports/eval_meta.json",
         "reports/eval_config.yaml",
     threads: CFG.train.num_threads
@@ -126,6 +128,7 @@ rule zeroshot:
     output:
         directory("data/zeroshot"),
         "reports/zeroshot.json",
+        "reports/metrics/zeroshot.json",
         "reports/zeroshot_meta.json",
     threads: CFG.train.num_threads
     resources:
@@ -142,6 +145,7 @@ rule niah:
         "data/tokenizer/spm.model",
     output:
         "reports/niah.json",
+        "reports/metrics/niah.json",
         "reports/niah_meta.json",
         "reports/niah_heatmap.png",
     threads: CFG.train.num_threads
@@ -159,6 +163,7 @@ rule longctx:
         "data/tokenizer/spm.model",
     output:
         "reports/longctx.json",
+        "reports/metrics/longctx.json",
         "reports/longctx_meta.json",
         "reports/longctx.png",
     threads: CFG.train.num_threads
@@ -175,6 +180,7 @@ rule continual:
         "data/tokenizer/spm.model",
     output:
         "reports/continual.json",
+        "reports/metrics/continual.json",
         "reports/continual_meta.json",
         "reports/continual.png",
     threads: CFG.train.num_threads
@@ -227,7 +233,9 @@ rule bench:
         PRESET,
     output:
         "reports/bench.json",
+        "reports/metrics/bench.json",
         "reports/bench_meta.json",
+        "reports/bench_step_ms.tsv",
     threads: CFG.bench.num_threads
     shell:
         "python stages/bench.py"
@@ -244,6 +252,7 @@ rule recall:
         PRESET,
     output:
         "reports/recall.json",
+        "reports/metrics/recall.json",
         "reports/recall_meta.json",
     threads: CFG.recall.num_threads
     resources:

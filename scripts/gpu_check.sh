@@ -112,11 +112,14 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {torch.cuda
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || { note "no CUDA device visible to torch"; exit 1; }
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
-# The bench stage writes reports/bench{,_meta}.json: keep the checkout's own and restore them.
-kept=$(mktemp)
-kept_meta=$(mktemp)
-cp reports/bench.json "$kept" 2>/dev/null || true
-cp reports/bench_meta.json "$kept_meta" 2>/dev/null || true
+# The bench stage writes reports/bench{,_meta}.json, reports/metrics/bench.json and
+# reports/bench_step_ms.tsv: keep the checkout's own and put them back (or remove
+# the ones it did not have) at the end.
+bench_outputs="reports/bench.json reports/bench_meta.json reports/metrics/bench.json reports/bench_step_ms.tsv"
+kept=$(mktemp -d)
+for f in $bench_outputs; do
+  if [ -f "$f" ]; then mkdir -p "$kept/$(dirname "$f")"; cp "$f" "$kept/$f"; fi
+done
 
 # The projection (launch counts on the CPU) and the correctness parts time nothing:
 # they run side by side, then the benches run alone on the GPU.
@@ -285,9 +288,10 @@ for suffix, bench, mode in (("", "", "eager"), ("_fused", "_fused", "eager"),
               f"measured ({bench or 'eager'}) {got} ms  "
               f"measured/{mode} {ratio}")
 PY
-[ -s "$kept" ] && cp "$kept" reports/bench.json
-[ -s "$kept_meta" ] && cp "$kept_meta" reports/bench_meta.json
-rm -f "$kept" "$kept_meta"
+for f in $bench_outputs; do
+  if [ -f "$kept/$f" ]; then cp "$kept/$f" "$f"; else rm -f "$f"; fi
+done
+rm -rf "$kept"
 for name in "${parts[@]}"; do
   rc=$(cat "$out/$name.rc" 2>/dev/null || echo missing)
   if [ "$rc" != 0 ] && [ "$rc" != skipped ] && [ "$status" -eq 0 ]; then

@@ -15,6 +15,7 @@ from pathlib import Path
 from hope.cli import run_stage
 from hope.config import Config
 from hope.io import write_metrics
+from hope.report import headline
 
 CKPT_DIR = Path("models/checkpoints")
 TOKENIZER_MODEL = Path("data/tokenizer/spm.model")
@@ -29,7 +30,7 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     metrics, records = run_continual(
         cfg.continual, cfg.memorize, CKPT_DIR, TOKENIZER_MODEL, cfg.train
     )
-    write_metrics(REPORT, metrics, records)
+    write_metrics(REPORT, metrics, records, headline.continual(metrics))
     plot_continual(cfg.continual.segments, metrics, PLOT)
     print(
         f"continual: BWT {metrics['bwt']:+.4f}, mean forgetting {metrics['mean_forgetting']:.4f}; "

@@ -15,6 +15,7 @@ from pathlib import Path
 from hope.cli import run_stage
 from hope.config import Config, save_config
 from hope.io import split_records, write_metrics
+from hope.report import headline
 
 CKPT_DIR = Path("models/checkpoints")
 SHARD_DIR = Path("data/shards")
@@ -27,11 +28,13 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.run import evaluate
 
     metrics = evaluate(cfg, CKPT_DIR, SHARD_DIR, TOKENIZER_MODEL)
-    write_metrics(REPORT_DIR / "eval.json", *split_records(metrics, RECORDS))
+    numbers, records = split_records(metrics, RECORDS)
+    write_metrics(REPORT_DIR / "eval.json", numbers, records, headline.evaluation(numbers))
     save_config(cfg, REPORT_DIR / "eval_config.yaml")
     passkey = ", ".join(f"{k} {v['acc']:.2f}" for k, v in metrics["passkey"].items())
     print(
         f"eval: step {metrics['step']} val_loss {metrics['val']['loss']:.4f} "
+        f"over {metrics['val']['tokens']} tokens "
         f"(ppl {metrics['val']['ppl']:.1f}); passkey acc {passkey}"
     )
 

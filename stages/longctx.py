@@ -16,6 +16,7 @@ from pathlib import Path
 from hope.cli import run_stage
 from hope.config import Config
 from hope.io import write_metrics
+from hope.report import headline
 
 CKPT_DIR = Path("models/checkpoints")
 TOKENIZER_MODEL = Path("data/tokenizer/spm.model")
@@ -31,7 +32,7 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     metrics, records = run_longctx(
         cfg.longctx, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train, cfg.memorize
     )
-    write_metrics(REPORT, metrics, records)
+    write_metrics(REPORT, metrics, records, headline.longctx(metrics))
     curves = {
         "streamed (state carried)": metrics["by_position"],
         "fresh windows": metrics["fresh_by_position"],

@@ -14,6 +14,7 @@ from pathlib import Path
 from hope.cli import run_stage
 from hope.config import Config
 from hope.io import write_metrics
+from hope.report import headline
 
 CKPT_DIR = Path("models/checkpoints")
 TOKENIZER_MODEL = Path("data/tokenizer/spm.model")
@@ -29,7 +30,7 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     metrics, records = run_niah(
         cfg.niah, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, cfg.train, cfg.memorize
     )
-    write_metrics(REPORT, metrics, records)
+    write_metrics(REPORT, metrics, records, headline.niah(metrics))
     plot_niah({k: v for k, v in metrics.items() if k != "step"}, HEATMAP)
     for task in cfg.niah.tasks:
         accs = ", ".join(

@@ -14,6 +14,7 @@ from pathlib import Path
 from hope.cli import run_stage
 from hope.config import Config
 from hope.io import write_metrics
+from hope.report import headline
 
 REPORT = Path("reports/recall.json")
 
@@ -22,7 +23,8 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.recall import run_recall, split_recall_report
 
     report = run_recall(cfg)
-    write_metrics(REPORT, *split_recall_report(report))
+    numbers, records = split_recall_report(report)
+    write_metrics(REPORT, numbers, records, headline.recall(numbers))
     chance = 1.0 / cfg.recall.num_pairs
     scores = ", ".join(f"{v} {row['accuracy']:.3f}" for v, row in report["variants"].items())
     print(f"recall (MQAR, chance {chance:.3f}): {scores}")

@@ -39,8 +39,9 @@ def main(cfg: Config, args: argparse.Namespace) -> None:
     if not from_environment().is_main:
         return
     print(
-        f"train: {metrics['steps']} steps, val_loss {metrics['val_loss']:.4f} "
-        f"(ppl {metrics['val_ppl']:.1f}), {metrics['tokens_per_s']:.0f} tokens/s"
+        f"train: {metrics['steps']} steps, val_subset_loss {metrics['val_subset_loss']:.4f} "
+        f"(ppl {metrics['val_subset_ppl']:.1f}, the first {metrics['val_subset_tokens']} "
+        f"validation tokens), {metrics['tokens_per_s']:.0f} tokens/s"
     )
 
 

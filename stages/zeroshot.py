@@ -16,6 +16,7 @@ from pathlib import Path
 from hope.cli import run_stage
 from hope.config import Config
 from hope.io import write_metrics
+from hope.report import headline
 
 CKPT_DIR = Path("models/checkpoints")
 TOKENIZER_MODEL = Path("data/tokenizer/spm.model")
@@ -29,7 +30,7 @@ def body(cfg: Config, args: argparse.Namespace) -> None:
     from hope.eval.zeroshot import run_zeroshot
 
     metrics, records = run_zeroshot(cfg, CKPT_DIR, TOKENIZER_MODEL, RAW_VAL, ITEMS_DIR, TASK_DIR)
-    write_metrics(REPORT, metrics, records)
+    write_metrics(REPORT, metrics, records, headline.zeroshot(metrics))
     for task in cfg.zeroshot.tasks:
         row = metrics.get(task, {})
         shown = ", ".join(f"{k} {v:.4g}" for k, v in row.items() if not k.endswith("_stderr"))

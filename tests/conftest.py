@@ -219,7 +219,7 @@ def make_bundle(root: Path, *extra: str) -> Path:
     save_checkpoint(ckpt, 3, {"model": model.state_dict(), "config": cfg.to_dict(), "step": 3})
     reports = root / "reports"
     reports.mkdir()
-    (reports / "train.json").write_text(json.dumps({"steps": 3, "val_loss": 5.5}))
+    (reports / "train.json").write_text(json.dumps({"steps": 3, "val_subset_loss": 5.5}))
     (reports / "train_meta.json").write_text(json.dumps({"runtime": {}}))
     evaluation = {"val": {"loss": 5.5, "ppl": 245.0, "tokens": 64}, "step": 3, "passkey": {}}
     (reports / "eval.json").write_text(json.dumps(evaluation))

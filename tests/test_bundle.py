@@ -51,7 +51,7 @@ def sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, nn
     Path("data/tokenizer").mkdir(parents=True)
     Path("data/tokenizer/spm.model").write_bytes(b"\x0a\x03spm-bytes")
     Path("reports").mkdir()
-    Path("reports/train.json").write_text(json.dumps({"steps": STEP, "val_loss": 3.25}))
+    Path("reports/train.json").write_text(json.dumps({"steps": STEP, "val_subset_loss": 3.25}))
     Path("reports/train_meta.json").write_text(json.dumps({"runtime": {"device": "cpu"}}))
     evaluation = {
         "val": {"loss": 3.3, "ppl": 27.1, "tokens": 4096},

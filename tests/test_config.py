@@ -235,8 +235,8 @@ def test_bad_values_and_conflicts_are_one_line_naming_the_knob(override: str, na
 
 
 def test_the_readme_preset_switch_command_writes_that_preset(tmp_path: Path) -> None:
-    """The README's `hope params --preset pilot --write params.yaml`, verbatim, in a copy."""
-    readme = (ROOT / "README.md").read_text().split("### Configuration")[1]
+    """docs/PIPELINE.md's `hope params --preset pilot --write params.yaml`, verbatim, in a copy."""
+    readme = (ROOT / "docs/PIPELINE.md").read_text().split("### Configuration")[1]
     command = readme.split("```bash")[1].split("```")[0].split(" #")[0].strip()
     assert command == "hope params --preset pilot --write params.yaml"
     (tmp_path / "params.yaml").write_text(PARAMS.read_text())

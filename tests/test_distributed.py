@@ -77,14 +77,16 @@ def test_two_processes_train_what_one_process_trains(
     assert two.returncode == 0, two.stderr[-3000:]
     single = json.loads((one_process / "reports/train.json").read_text())
     parallel = json.loads((tmp_path / "two/reports/train.json").read_text())
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "val_subset_loss"):
         assert parallel[key] == pytest.approx(single[key], rel=1e-5), key
     assert parallel["tokens_seen"] == single["tokens_seen"]
     rows_one = (one_process / "reports/train_log.tsv").read_text().splitlines()
     rows_two = (tmp_path / "two/reports/train_log.tsv").read_text().splitlines()
     assert len(rows_one) == len(rows_two) > 3
     rank1 = json.loads((tmp_path / "two/rank1").read_text())
-    assert rank1["val_loss"] == parallel["val_loss"]  # every rank ends with the reduced metrics
+    assert (
+        rank1["val_subset_loss"] == parallel["val_subset_loss"]
+    )  # every rank ends with the reduced metrics
 
 
 def test_rows_split_the_global_batch_evenly() -> None:
@@ -265,7 +267,7 @@ def test_a_killed_fsdp_run_resumes_on_one_process_and_back(tmp_path: Path) -> No
     resumed = _run_worker(out, 1, *LONG)  # train.parallel=ddp: one plain process
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert newest.stat().st_ino == inode
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "val_subset_loss"):
         assert _metrics(out)[key] == pytest.approx(reference[key], rel=1e-5), key
 
     back = tmp_path / "back"
@@ -277,5 +279,5 @@ def test_a_killed_fsdp_run_resumes_on_one_process_and_back(tmp_path: Path) -> No
     two = _run_worker(back, 2, *LONG, "train.parallel=fsdp")
     assert two.returncode == 0, two.stderr[-3000:]
     assert (back / "ckpt/step_0000015.pt").stat().st_ino == inode
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "val_subset_loss"):
         assert _metrics(back)[key] == pytest.approx(reference[key], rel=1e-5), key

@@ -336,10 +336,10 @@ def test_eval_plot_release_stages_on_real_artifacts(
     assert Path("reports/eval_config.yaml").is_file()
 
     Path("reports/train_log.tsv").write_text(
-        "step\ttrain_loss\tval_loss\tlr\ttokens\ttokens_per_s\n"
+        "step\ttrain_loss\tval_subset_loss\tlr\ttokens\ttokens_per_s\n"
         "1\t5.7\t\t0.001\t96\t100\n3\t5.6\t5.65\t0.002\t288\t100\n"
     )
-    Path("reports/train.json").write_text(json.dumps({"steps": 3, "val_loss": 5.65}))
+    Path("reports/train.json").write_text(json.dumps({"steps": 3, "val_subset_loss": 5.65}))
     Path("reports/train_meta.json").write_text(json.dumps({"runtime": {"device": "cpu"}}))
     assert load_stage("plot").main_with(params) == 0
     assert all(

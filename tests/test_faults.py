@@ -89,7 +89,7 @@ def test_d1_disk_full_during_a_checkpoint_write_is_one_line_and_loses_nothing(
     assert ckpt.checkpoint_problem(tmp_path / "ckpt/step_0000006.pt") is None
     resumed = run(tmp_path)  # the disk has room again: the run ends as an uninterrupted one
     whole = run(tmp_path / "whole")
-    assert resumed["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-6)
+    assert resumed["val_subset_loss"] == pytest.approx(whole["val_subset_loss"], abs=1e-6)
 
 
 # --------------------------------------------------- D2, D9: real divergence
@@ -121,7 +121,7 @@ def test_d9_rewind_before_the_first_checkpoint_rewinds_to_the_initial_state(
                   "train.nan_lr_factor=1e-6")  # fmt: skip
     assert "rewinding to step_0000000.pt" in caplog.text
     assert metrics["nan_rewinds"] == 1 and metrics["steps"] == 12
-    assert metrics["val_loss"] == pytest.approx(metrics["val_loss"])  # finite
+    assert metrics["val_subset_loss"] == pytest.approx(metrics["val_subset_loss"])  # finite
     assert all(_finite(p) for p in ckpt.list_checkpoints(tmp_path / "ckpt"))
 
 
@@ -155,13 +155,16 @@ def test_d3_following_the_nan_advice_keeps_every_earlier_checkpoint(
             assert kept[name] == digest, name  # moved, byte for byte
     # The earlier run's reports went with it: reports/ now holds only the new run's.
     assert {n: kept[n] for n in reports} == reports
-    assert json.loads((aside / "train.json").read_text())["val_loss"] == first["val_loss"]
+    assert (
+        json.loads((aside / "train.json").read_text())["val_subset_loss"]
+        == first["val_subset_loss"]
+    )
     # Copied back into a folder of its own, the earlier run resumes: nothing was lost.
     back = tmp_path / "back/ckpt"
     back.mkdir(parents=True)
     for path in aside.glob("step_*"):
         shutil.copy2(path, back / path.name)
-    assert run(tmp_path / "back", "train.steps=6")["val_loss"] == first["val_loss"]
+    assert run(tmp_path / "back", "train.steps=6")["val_subset_loss"] == first["val_subset_loss"]
 
 
 def test_d4_checks_that_fail_at_start_leave_the_old_run_as_it_was(tmp_path: Path) -> None:

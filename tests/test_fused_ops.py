@@ -808,7 +808,7 @@ def test_tf32_products_keep_the_smt_recurrence_within_bf16_rounding() -> None:
     write and the SMT chunk step (float32, every case) stay within bf16's rounding
     (2^-8 = 3.9e-3) of the largest value of each output, and visibly off the IEEE
     products' ~1e-6 (the rounding is on). The whole float32 check under TF32 gave a
-    median of 3.6e-4 and a maximum of 2.3e-3 (README, the ``fused`` backend)."""
+    median of 3.6e-4 and a maximum of 2.3e-3 (docs/PERFORMANCE.md, the ``fused`` backend)."""
     errors = _run_worker("cpu", {"TRITON_INTERPRET": "1", "HOPE_TF32": "1"}, "--core")
     # three DGD checks for each of the worker's 4 shapes, two for each of its 6 step cases
     assert len(errors) == 3 * 4 + 2 * 6, sorted(errors)

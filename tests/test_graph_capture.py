@@ -341,13 +341,13 @@ def test_a_captured_training_run_equals_the_eager_run(tmp_path: Path) -> None:
     the same."""
     eager = tiny_run(tmp_path / "eager", "train.device=cuda")
     graphed = tiny_run(tmp_path / "graphed", "train.device=cuda", "train.cuda_graph=true")
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "val_subset_loss"):
         assert graphed[key] == pytest.approx(eager[key], rel=1e-5)
     for path in sorted((tmp_path / "graphed" / "ckpt").glob("step_0000012*")):
         path.unlink()  # the last checkpoint gone: resume from step 8
     (tmp_path / "graphed" / "reports" / "train.json").unlink()
     resumed = tiny_run(tmp_path / "graphed", "train.device=cuda", "train.cuda_graph=true")
-    assert resumed["val_loss"] == pytest.approx(graphed["val_loss"], rel=1e-6)
+    assert resumed["val_subset_loss"] == pytest.approx(graphed["val_subset_loss"], rel=1e-6)
 
 
 def test_the_bench_refuses_graph_mode_off_cuda_and_a_timed_capture() -> None:

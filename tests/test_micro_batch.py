@@ -78,5 +78,5 @@ def test_training_run_with_micro_batches_matches_the_whole_batch_run(tmp_path: P
 
     whole = run(tmp_path / "whole")
     micro = run(tmp_path / "micro", "train.micro_batch_size=1")
-    assert micro["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-4)
+    assert micro["val_subset_loss"] == pytest.approx(whole["val_subset_loss"], rel=1e-4)
     assert micro["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-4)

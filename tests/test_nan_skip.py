@@ -137,7 +137,7 @@ def test_nan_skip_skips_the_bad_steps_and_finishes(
     assert unchanged == [True, True]
     assert "skipped 2 step(s) in steps 7..8 without updating" in caplog.text
     assert metrics["steps"] == 12 and metrics["nan_skipped_steps"] == 2
-    assert math.isfinite(metrics["val_loss"]) and math.isfinite(metrics["train_loss"])
+    assert math.isfinite(metrics["val_subset_loss"]) and math.isfinite(metrics["train_loss"])
     rows = read_tsv(tmp_path / "reports" / "train_log.tsv")
     assert all(math.isfinite(float(r["train_loss"])) for r in rows if r["train_loss"])
     payload = ckpt.load_checkpoint(latest(tmp_path / "ckpt"))

@@ -42,7 +42,7 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
     # 30 short steps take the model below a uniform guess (ln V = 8.32). The default
     # shell starts far above it (an untrained model predicts the token it reads), so
     # the margin is smaller than the classic shell's (7.76 measured in CI's run);
-    # beating the unigram entropy takes the default run (README, 250 steps).
+    # beating the unigram entropy takes the default run (docs/RESULTS.md, 250 steps).
     resolved = yaml.safe_load((dvc_repo / "models/checkpoints/config.yaml").read_text())
     assert math.isfinite(evaluation["val"]["loss"])
     assert evaluation["val"]["loss"] < math.log(resolved["model"]["vocab_size"]) - 0.3
@@ -88,6 +88,14 @@ def test_dvc_repro_builds_every_artifact(dvc_repo: Path) -> None:
     for name in ("train", "eval", "bench", "recall", "zeroshot", "niah", "longctx", "continual"):
         assert non_numbers(_json(dvc_repo / f"reports/{name}.json")) == [], name
         assert _json(dvc_repo / f"reports/{name}_meta.json"), name
+        assert _json(dvc_repo / f"reports/metrics/{name}.json"), name  # the headline
+    # What DVC shows is the headline figures: one screen (the Path column and <= 39).
+    header = run(["dvc", "metrics", "show", "--md"], dvc_repo).stdout.splitlines()[0]
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    assert columns[0] == "Path" and len(columns) <= 40, columns
+    assert {"val_loss", "val_subset_loss", "hope.step_ms", "hope.recall_acc"} <= set(columns)
+    steps = (dvc_repo / "reports/bench_step_ms.tsv").read_text().splitlines()
+    assert steps[0] == "variant\tstep_ms\ttokens_per_s" and steps[2].startswith("tiny/hope\t")
     verify = run([sys.executable, "stages/release.py", "--verify", "release"], dvc_repo)
     assert "ok" in verify.stdout
 
@@ -105,6 +113,7 @@ def test_second_repro_does_nothing(dvc_repo: Path) -> None:
 def test_plots_render_as_json(dvc_repo: Path) -> None:
     shown = run(["dvc", "plots", "show", "--json"], dvc_repo)
     assert "reports/train_log.tsv" in shown.stdout
+    assert "reports/bench_step_ms.tsv" in shown.stdout  # step time per variant, as bars
     assert "reports/plots/loss.png" in shown.stdout
 
 
@@ -118,7 +127,7 @@ NOT_COMPARED = {
     ("recall", "steps"): 2,
 }
 # Artifacts that must be byte-identical between two runs of the same params on one
-# machine kind, whatever the orchestrator (README "Reproducibility").
+# machine kind, whatever the orchestrator (docs/PIPELINE.md "Reproducibility").
 SAME_BYTES = (
     "data/raw/manifest.json",
     "data/tokenizer/spm.model",
@@ -163,9 +172,10 @@ def test_experiment_changes_metric_and_diff_shows_it(dvc_repo: Path, experiment:
     before = _json(experiment / "baseline_train.json")
     after = _json(experiment / "reports/train.json")
     assert after["steps"] == EXPERIMENT_STEPS and before["steps"] != EXPERIMENT_STEPS
-    assert after["val_loss"] != before["val_loss"]
+    assert after["val_subset_loss"] != before["val_subset_loss"]
     diff = (experiment / "diff.md").read_text()
-    assert "reports/train.json" in diff and "val_loss" in diff
+    assert "reports/metrics/train.json" in diff and "val_subset_loss" in diff
+    assert "reports/metrics/eval.json" in diff and "val_loss" in diff
     table = (experiment / "show.md").read_text()
     assert "train.steps" in table and str(EXPERIMENT_STEPS) in table
     # The workspace is back at the baseline.
@@ -193,7 +203,7 @@ def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
     assert ours == theirs and ours["runtime"]["num_threads"] == CI_RUN[("train", "num_threads")]
     assert _losses(repo) == _losses(experiment)
     ours, theirs = _json(repo / "reports/train.json"), _json(experiment / "reports/train.json")
-    for key in ("train_loss", "val_loss", "steps", "tokens_seen", "params"):
+    for key in ("train_loss", "val_subset_loss", "steps", "tokens_seen", "params"):
         assert ours[key] == theirs[key], key
     meta = "reports/train_meta.json"
     assert _json(repo / meta)["runtime"] == _json(experiment / meta)["runtime"]
@@ -201,35 +211,35 @@ def test_snakemake_mirror_reproduces_dvc_bit_for_bit(
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_readme_data_parallel_command_trains_on_two_ranks(
+def test_docs_data_parallel_command_trains_on_two_ranks(
     dvc_repo: Path, tmp_path: Path, parallel: str
 ) -> None:
-    """The README's scale-out commands on the pipeline's own shards: the stage re-runs
+    """docs/SCALING.md's scale-out commands on the pipeline's own shards: the stage re-runs
     itself under torchrun (2 gloo ranks; DDP with micro-batches of 4 of each rank's 4
     rows, or FSDP2) and rank 0 alone writes the reports and the checkpoint."""
-    section = (ROOT / "README.md").read_text().split("## Several GPUs and micro-batches")[1]
+    section = (ROOT / "docs/SCALING.md").read_text().split("## Several GPUs and micro-batches")[1]
     lines = section.split("```bash")[1].split("```")[0].strip().splitlines()
     command = next(c for c in lines if ("train.parallel=fsdp" in c) == (parallel == "fsdp"))
     work = tmp_path / parallel
     for rel in ("stages", "configs", "data/shards", "data/tokenizer"):
         shutil.copytree(dvc_repo / rel, work / rel)
     shutil.copy(dvc_repo / "params.yaml", work / "params.yaml")
-    # the README's batch: 8 rows, 4 on each rank
+    # the documented batch: 8 rows, 4 on each rank
     readme_run = {("train", "steps"): 4, ("train", "batch_size"): 8, ("train", "val_batches"): 2}
     set_params(work, readme_run)
     proc = run([sys.executable, *shlex.split(command)[1:]], work)
     metrics = _json(work / "reports/train.json")
-    assert metrics["steps"] == 4 and math.isfinite(metrics["val_loss"])
+    assert metrics["steps"] == 4 and math.isfinite(metrics["val_subset_loss"])
     resolved = yaml.safe_load((work / "models/checkpoints/config.yaml").read_text())
     assert metrics["tokens_seen"] == 4 * 8 * resolved["data"]["seq_len"]  # the global batch
     assert proc.stdout.count("train: 4 steps") == 1  # one summary line: rank 0's
     assert [p.name for p in (work / "models/checkpoints").glob("step_*.pt")] == ["step_0000004.pt"]
 
 
-def test_readme_hope_commands_use_the_release(dvc_repo: Path) -> None:
-    """Every `hope` command of the README, verbatim, on the release `make repro` built."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Using a trained model")[1].split("```bash")[1].split("```")[0]
+def test_docs_hope_commands_use_the_release(dvc_repo: Path) -> None:
+    """Every `hope` command of docs/USAGE.md, verbatim, on the release `make repro` built."""
+    usage = (ROOT / "docs/USAGE.md").read_text()
+    block = usage.split("# Using a trained model")[1].split("```bash")[1].split("```")[0]
     commands = [line.split(" #")[0].strip() for line in block.strip().splitlines()]
     assert [c.split()[1] for c in commands] == [
         "generate",
@@ -262,11 +272,10 @@ def test_readme_hope_commands_use_the_release(dvc_repo: Path) -> None:
     assert yaml.safe_load(params)["preset"] == "pilot"
 
 
-def test_readme_zeroshot_commands_run_on_the_release(dvc_repo: Path) -> None:
-    """The README's two zero-shot commands, verbatim, on the pipeline's outputs (what
-    they write is put back afterwards: other tests read the repro's own outputs)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Zero-shot evaluation (lm-eval)")[1].split("\n## ")[0]
+def test_docs_zeroshot_commands_run_on_the_release(dvc_repo: Path) -> None:
+    """The two zero-shot commands of docs/EVALUATION.md, verbatim, on the pipeline's
+    outputs (what they write is put back afterwards: other tests read the repro's own)."""
+    section = _doc_section("## Zero-shot evaluation (lm-eval)")
     blocks = [b.split("```")[0] for b in section.split("```bash")[1:]]
     stage, harness = (b.strip() for b in blocks[:2])  # (then the tables subsection's)
     kept = {rel: (dvc_repo / rel).read_bytes() for rel in ZEROSHOT_OUTPUTS}
@@ -289,10 +298,10 @@ def test_readme_zeroshot_commands_run_on_the_release(dvc_repo: Path) -> None:
         shutil.rmtree(dvc_repo / "reports/lm_eval", ignore_errors=True)
 
 
-def test_readme_tables_command_runs(dvc_repo: Path) -> None:
-    """The README's tables command, verbatim: the checkout and its release give the
+def test_docs_tables_command_runs(dvc_repo: Path) -> None:
+    """The tables command of docs/EVALUATION.md, verbatim: the checkout and its release give the
     same rows (the bundle carries the same reports)."""
-    command = _readme_command("### The papers' tables")
+    command = _doc_command("### The papers' tables")
     try:
         run(shlex.split(command), dvc_repo)
         table1 = (dvc_repo / "reports/tables/table1.md").read_text().splitlines()
@@ -304,10 +313,14 @@ def test_readme_tables_command_runs(dvc_repo: Path) -> None:
         shutil.rmtree(dvc_repo / "reports/tables", ignore_errors=True)
 
 
-def _readme_command(heading: str) -> str:
-    """The first bash command under a README heading."""
-    section = (ROOT / "README.md").read_text().split(heading)[1].split("\n## ")[0]
-    return section.split("```bash")[1].split("```")[0].strip()
+def _doc_section(heading: str) -> str:
+    """The text under a heading of docs/EVALUATION.md, up to the next section."""
+    return (ROOT / "docs/EVALUATION.md").read_text().split(heading)[1].split("\n## ")[0]
+
+
+def _doc_command(heading: str) -> str:
+    """The first bash command under a heading of docs/EVALUATION.md."""
+    return _doc_section(heading).split("```bash")[1].split("```")[0].strip()
 
 
 def _run_put_back(dvc_repo: Path, command: str, outputs: tuple[str, ...]) -> str:
@@ -325,27 +338,27 @@ def _outputs(stage: str, plot: str) -> tuple[str, ...]:
     return (f"reports/{stage}.json", f"reports/{stage}_meta.json", f"reports/{plot}")
 
 
-def test_readme_niah_command_runs(dvc_repo: Path) -> None:
-    command = _readme_command("## Needle in a haystack (NIAH)")
+def test_docs_niah_command_runs(dvc_repo: Path) -> None:
+    command = _doc_command("## Needle in a haystack (NIAH)")
     out = _run_put_back(dvc_repo, command, _outputs("niah", "niah_heatmap.png"))
     assert "niah s_niah_1 (chance 0.25): len_160" in out and "len_320" in out
     assert "niah mk_niah" in out and "s_niah_2" not in out
 
 
-def test_readme_memorisation_command_runs(dvc_repo: Path) -> None:
-    command = _readme_command("## Test-time memorisation in the evaluators")
+def test_docs_memorisation_command_runs(dvc_repo: Path) -> None:
+    command = _doc_command("## Test-time memorisation in the evaluators")
     out = _run_put_back(dvc_repo, command, _outputs("niah", "niah_heatmap.png"))
     assert "niah s_niah_1 (chance 0.25): len_160" in out and "(memorised " in out
 
 
-def test_readme_longctx_command_runs(dvc_repo: Path) -> None:
-    command = _readme_command("## Long-context perplexity")
+def test_docs_longctx_command_runs(dvc_repo: Path) -> None:
+    command = _doc_command("## Long-context perplexity")
     out = _run_put_back(dvc_repo, command, _outputs("longctx", "longctx.png"))
     assert "longctx: loss" in out and "over 1534 tokens" in out  # 2 x 767 predictions
 
 
-def test_readme_continual_command_runs(dvc_repo: Path) -> None:
-    command = _readme_command("## Continual learning in the fast state")
+def test_docs_continual_command_runs(dvc_repo: Path) -> None:
+    command = _doc_command("## Continual learning in the fast state")
     out = _run_put_back(dvc_repo, command, _outputs("continual", "continual.png"))
     assert "continual: BWT" in out and "'email'" in out and "'csv'" in out
 

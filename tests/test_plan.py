@@ -103,7 +103,7 @@ def test_the_readme_plan_command_runs(capsys: pytest.CaptureFixture[str]) -> Non
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs/SCALING.md").read_text()
     command = next(
         line for line in readme.splitlines() if line.startswith("python -m hope.train.plan")
     )

@@ -15,7 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def write_inputs(folder: Path) -> tuple[Path, Path]:
     log = folder / "train_log.tsv"
-    rows = ["step\ttrain_loss\tval_loss\tlr\ttokens\ttokens_per_s"]
+    rows = ["step\ttrain_loss\tval_subset_loss\tlr\ttokens\ttokens_per_s"]
     for step in range(0, 101, 10):
         val = f"{5.0 - step / 40:.3f}" if step % 50 == 0 else ""
         rows.append(
@@ -59,8 +59,8 @@ def test_train_log_parsing_keeps_empty_val_cells(tmp_path: Path) -> None:
     log, _ = write_inputs(tmp_path)
     columns = read_train_log(log)
     assert columns["step"][:3] == [0.0, 10.0, 20.0]
-    assert columns["val_loss"][:2] == [5.0, None]
-    assert sum(v is not None for v in columns["val_loss"]) == 3
+    assert columns["val_subset_loss"][:2] == [5.0, None]
+    assert sum(v is not None for v in columns["val_subset_loss"]) == 3
 
 
 @pytest.mark.parametrize("missing", ["train_log.tsv", "eval.json"])
@@ -74,7 +74,7 @@ def test_missing_input_names_the_file(tmp_path: Path, missing: str) -> None:
 
 def test_bad_cells_and_columns_are_named(tmp_path: Path) -> None:
     log = tmp_path / "train_log.tsv"
-    log.write_text("step\ttrain_loss\tval_loss\tlr\n1\tnan-ish\t\t0.1\n")
+    log.write_text("step\ttrain_loss\tval_subset_loss\tlr\n1\tnan-ish\t\t0.1\n")
     with pytest.raises(StageError, match="line 2: train_loss='nan-ish'"):
         read_train_log(log)
     log.write_text("step\ttrain_loss\n1\t2.0\n")

@@ -62,7 +62,7 @@ def test_a_resume_from_a_sharded_checkpoint_ends_as_the_uninterrupted_run(
     out, reference = sharded_run
     resumed = _resume_from(out, tmp_path, 6)
     metrics = run(resumed, "train.keep_checkpoints=20", f"train.checkpoint_format={resume_format}")
-    for key in ("train_loss", "val_loss", "tokens_seen", "steps"):
+    for key in ("train_loss", "val_subset_loss", "tokens_seen", "steps"):
         assert metrics[key] == reference[key], key
     newest = ckpt.latest_checkpoint(resumed / "ckpt")
     assert newest is not None and newest.is_dir() == (resume_format == "sharded")
@@ -139,6 +139,6 @@ def test_fsdp_shards_resume_on_one_process_and_back(tmp_path: Path) -> None:
     again = _run_worker(back, 2, *fsdp)
     assert again.returncode == 0, again.stderr[-3000:]
     for out in (one, back):
-        for key in ("train_loss", "val_loss"):
+        for key in ("train_loss", "val_subset_loss"):
             assert _metrics(out)[key] == pytest.approx(reference[key], rel=1e-5), (out, key)
         assert _metrics(out)["tokens_seen"] == reference["tokens_seen"]

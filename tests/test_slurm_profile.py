@@ -309,5 +309,5 @@ def test_slurm_profile_runs_pipeline_through_sbatch(tmp_path: Path) -> None:
     ours = json.loads((repo / "reports/train.json").read_text())
     one = json.loads((single / "reports/train.json").read_text())
     assert ours["tokens_seen"] == one["tokens_seen"]
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "val_subset_loss"):
         assert ours[key] == pytest.approx(one[key], rel=1e-5), key

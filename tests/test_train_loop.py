@@ -126,7 +126,14 @@ def test_training_step_makes_no_host_syncs(extra: tuple[str, ...]) -> None:
 
 
 def _assert_same_run(whole: dict[str, Any], resumed: dict[str, Any], tmp_path: Path) -> None:
-    for key in ("train_loss", "val_loss", "val_ppl", "steps", "tokens_seen", "params"):
+    for key in (
+        "train_loss",
+        "val_subset_loss",
+        "val_subset_ppl",
+        "steps",
+        "tokens_seen",
+        "params",
+    ):
         assert resumed[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-6), key
     a = ckpt.load_checkpoint(latest(tmp_path / "whole" / "ckpt"))
     b = ckpt.load_checkpoint(latest(tmp_path / "resumed" / "ckpt"))
@@ -239,7 +246,15 @@ def test_same_params_give_identical_metrics_and_checkpoints(tmp_path: Path) -> N
     assert non_numbers(metrics) == []  # a DVC metrics file: the runtime record is beside it
     there = {**metrics, **json.loads((reports / "train_meta.json").read_text())}
     assert here["runtime"]["num_threads"] == there["runtime"]["num_threads"] == 2
-    for key in ("train_loss", "val_loss", "val_ppl", "steps", "tokens_seen", "params", "runtime"):
+    for key in (
+        "train_loss",
+        "val_subset_loss",
+        "val_subset_ppl",
+        "steps",
+        "tokens_seen",
+        "params",
+        "runtime",
+    ):
         assert here[key] == there[key], key
     a = ckpt.load_checkpoint(latest(tmp_path / "here" / "ckpt"))
     b = ckpt.load_checkpoint(latest(tmp_path / "there" / "ckpt"))
@@ -254,12 +269,12 @@ def test_reports_have_the_logged_rows_and_training_learns(tmp_path: Path) -> Non
     metrics = run(tmp_path)
     rows = read_tsv(tmp_path / "reports" / "train_log.tsv")
     assert [r["step"] for r in rows] == ["4", "6", "8", "12"]  # log every 4, val every 6, end
-    assert [r["val_loss"] != "" for r in rows] == [False, True, False, True]
+    assert [r["val_subset_loss"] != "" for r in rows] == [False, True, False, True]
     assert [r["train_loss"] != "" for r in rows] == [True, False, True, True]
-    assert float(rows[-1]["val_loss"]) == pytest.approx(metrics["val_loss"], rel=1e-5)
-    assert metrics["val_ppl"] == pytest.approx(math.exp(metrics["val_loss"]))
+    assert float(rows[-1]["val_subset_loss"]) == pytest.approx(metrics["val_subset_loss"], rel=1e-5)
+    assert metrics["val_subset_ppl"] == pytest.approx(math.exp(metrics["val_subset_loss"]))
     # The permutation stream is learnable: well below the uniform log(64) = 4.16.
-    assert metrics["val_loss"] < 3.0 and metrics["train_loss"] < 4.0
+    assert metrics["val_subset_loss"] < 3.0 and metrics["train_loss"] < 4.0
     assert metrics["params"] == sum(
         p.numel() for p in hope.build_model(tiny_cfg().model).parameters()
     )
@@ -286,7 +301,7 @@ def test_changed_config_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert "config (checkpoint" in caplog.text and "changed since" in caplog.text
     assert "resuming" not in caplog.text
     fresh = run(tmp_path / "fresh", "train.steps=6", "optim.lr=0.005")
-    assert changed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
+    assert changed["val_subset_loss"] == pytest.approx(fresh["val_subset_loss"], abs=1e-6)
     new_fp = ckpt.config_fingerprint(tiny_cfg("train.steps=6", "optim.lr=0.005"))
     for path in ckpt.list_checkpoints(tmp_path / "ckpt"):
         assert ckpt.load_checkpoint(path)["fingerprint"] == new_fp
@@ -304,7 +319,7 @@ def test_changed_training_data_starts_fresh_instead_of_mixing(
     assert "training data: shards or tokenizer (checkpoint" in caplog.text
     assert "resuming" not in caplog.text
     fresh = run_training(cfg, shifted, val_tokens, tmp_path / "f" / "ckpt", tmp_path / "f" / "r")
-    assert changed["val_loss"] == pytest.approx(fresh["val_loss"], abs=1e-6)
+    assert changed["val_subset_loss"] == pytest.approx(fresh["val_subset_loss"], abs=1e-6)
 
 
 def _inject_nan(monkeypatch: pytest.MonkeyPatch, at_calls: set[int]) -> None:
@@ -340,7 +355,7 @@ def test_nan_rewind_resumes_from_the_last_good_checkpoint_with_a_lower_rate(
     caplog.set_level(logging.INFO, logger="hope.train")
     metrics = run(tmp_path, "train.nan_policy=rewind")
     assert "non-finite loss in steps 7..8: rewinding to step_0000006.pt" in caplog.text
-    assert metrics["steps"] == 12 and math.isfinite(metrics["val_loss"])
+    assert metrics["steps"] == 12 and math.isfinite(metrics["val_subset_loss"])
     steps = [int(r["step"]) for r in read_tsv(tmp_path / "reports" / "train_log.tsv")]
     assert steps == sorted(set(steps))  # the rewound interval's rows are not duplicated
     final = ckpt.load_checkpoint(latest(tmp_path / "ckpt"))
@@ -415,9 +430,34 @@ def test_setup_runtime_sets_the_memory_backend() -> None:
 def test_zero_steps_reports_the_initial_model(tmp_path: Path) -> None:
     metrics = run(tmp_path, "train.steps=0", *CLASSIC_SHELL)
     assert metrics["steps"] == 0 and metrics["train_loss"] is None
-    assert abs(metrics["val_loss"] - math.log(VOCAB)) < 0.1  # untrained: near uniform
+    assert abs(metrics["val_subset_loss"] - math.log(VOCAB)) < 0.1  # untrained: near uniform
     assert latest(tmp_path / "ckpt").name == "step_0000000.pt"
 
 
 if __name__ == "__main__":  # the subprocess of the SIGKILL and repeatability tests
     run(Path(sys.argv[1]), *sys.argv[2:])
+
+
+def test_train_scores_a_named_subset_of_the_split_as_eval_scores_its_windows(
+    tmp_path: Path,
+) -> None:
+    """train.json's ``val_subset_loss`` is the first ``train.val_batches`` windows of the
+    validation split, scored as the eval stage scores (``evaluate_perplexity``, one
+    fresh context per window): on the same windows the two give one number, so the
+    eval stage's ``val.loss`` (the whole split) differs from it only by the tokens."""
+    from hope.data.batches import eval_batches
+    from hope.eval.perplexity import evaluate_perplexity
+
+    metrics = run(tmp_path)
+    cfg = tiny_cfg()
+    _, val_tokens = token_streams()
+    model, _, step = ckpt.load_model(tmp_path / "ckpt")
+    assert step == metrics["steps"] == cfg.train.steps  # the last validation's weights
+    windows = eval_batches(
+        val_tokens, cfg.train.batch_size, cfg.data.seq_len, cfg.train.val_batches
+    )
+    scored = evaluate_perplexity(model, windows, torch.device("cpu"))
+    assert metrics["val_subset_tokens"] == scored.tokens == 2 * 4 * 16
+    assert metrics["val_subset_loss"] == pytest.approx(scored.loss, rel=1e-6)
+    whole = evaluate_perplexity(model, eval_batches(val_tokens, 4, 16, 100), torch.device("cpu"))
+    assert whole.tokens > scored.tokens

@@ -276,7 +276,7 @@ class MemorizeParams:
     """The ``memorize`` section: test-time memorisation in the evaluators (zero-shot,
     NIAH and long-context when their ``memorize`` switch is on; continual always), via
     hope.model.memorize. Each evaluator reports its plain (baseline) numbers and the
-    adaptive ones beside them, with their delta; README "Test-time memorisation"."""
+    adaptive ones beside them, with their delta; docs/EVALUATION.md "Test-time memorisation"."""
 
     paths: list[str] | None = None  # memories written: smt, titans, cms, cms:<i> (null: all)
     layers: list[int] | None = None  # blocks written (null: all)
@@ -361,7 +361,8 @@ class RecallConfig:
     """
 
     variants: list[str] = field(default_factory=lambda: ["transformer", "hope"])
-    steps: int = 200  # hope learns MQAR within this; the transformer needs more (README)
+    # hope learns MQAR within this; the transformer needs more (docs/EVALUATION.md)
+    steps: int = 200
     batch_size: int = 32
     seq_len: int = 64  # input tokens per sequence
     num_pairs: int = 8  # key-value pairs per sequence (chance = 1 / num_pairs)

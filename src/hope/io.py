@@ -172,12 +172,28 @@ def split_records(
     return metrics, {k: report[k] for k in record_keys if k in report}
 
 
-def write_metrics(path: Path, metrics: dict[str, Any], records: dict[str, Any]) -> None:
-    """A DVC metrics file of numbers only, and its records (machine, config, names,
-    curves) in ``<stem>_meta.json`` beside it; records first, so a kill between the two
-    never leaves metrics without the records they were measured under."""
-    bad = non_numbers(metrics)
+def write_metrics(
+    path: Path,
+    metrics: dict[str, Any],
+    records: dict[str, Any],
+    headline: dict[str, Any] | None = None,
+) -> None:
+    """A stage's numbers (``path``, numbers only), its records (machine, config, names,
+    curves) in ``<stem>_meta.json`` beside it and, given, its ``headline`` figures
+    (``hope.report.headline``) in ``metrics/<name>`` under the same folder: the file DVC
+    shows and diffs. Records first, the headline last, so a kill between two writes
+    never leaves numbers without the records they were measured under, nor a headline
+    ahead of the numbers it summarises."""
+    bad = non_numbers(metrics) + non_numbers(headline or {})
     if bad:
         raise ValueError(f"{path}: metrics must be numbers only; move {', '.join(bad)} to records")
     atomic_write_json(meta_path(path), records)
     atomic_write_json(path, metrics)
+    if headline is not None:
+        headline_path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(headline_path(path), headline)
+
+
+def headline_path(path: Path) -> Path:
+    """Where the headline of the report at ``path`` goes: ``<folder>/metrics/<name>``."""
+    return path.parent / "metrics" / path.name

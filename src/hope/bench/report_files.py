@@ -1,4 +1,4 @@
-"""What the bench stage writes: numbers for DVC, records beside them.
+"""What the bench stage writes: numbers, records beside them, a step-time table.
 
 ``reports/bench.json`` is a DVC metric, so it holds numbers only and ``dvc metrics
 show/diff`` read it as a table; ``reports/bench_meta.json`` keeps the rest.
@@ -6,9 +6,11 @@ show/diff`` read it as a table; ``reports/bench_meta.json`` keeps the rest.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from hope.io import split_non_numbers
+from hope.io import atomic_write_text, split_non_numbers
 
 META_KEYS = ("machine", "config", "skipped")
 
@@ -32,3 +34,16 @@ def split_report(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     # The launch fits' sample lengths (lists) go beside their fitted numbers.
     metrics["projection"], meta["projection_records"] = split_non_numbers(projection)
     return metrics, meta
+
+
+STEP_TABLE = "bench_step_ms.tsv"  # beside bench.json; dvc.yaml plots it per variant
+
+
+def write_step_table(path: Path, metrics: dict[str, Any], shapes: Sequence[str]) -> None:
+    """One row per measured shape and variant (``<shape>/<variant>``): its step time
+    and tokens/s, the table ``dvc plots show`` draws as bars."""
+    rows = ["variant\tstep_ms\ttokens_per_s"]
+    for shape in shapes:
+        for variant, row in metrics.get(shape, {}).items():
+            rows.append(f"{shape}/{variant}\t{row['step_ms']}\t{row['tokens_per_s']}")
+    atomic_write_text(path, "\n".join(rows) + "\n")

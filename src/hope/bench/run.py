@@ -39,7 +39,7 @@ import torch
 
 from hope.bench import flops, projection
 from hope.bench import measure as m
-from hope.bench.report_files import split_report
+from hope.bench.report_files import STEP_TABLE, split_report, write_step_table
 from hope.bench.shapes import apply_read_forms, bench_shape
 from hope.config import BenchConfig, Config, OptimConfig, TrainConfig, config_from_dict
 from hope.errors import ConfigError
@@ -47,6 +47,7 @@ from hope.io import write_metrics
 from hope.memory.ops.dispatch import default_backend
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
+from hope.report import headline
 from hope.report.environment import collect_environment
 from hope.train.device import autocast_dtype, resolve_device, setup_runtime
 from hope.train.graphed import WARMUP_STEPS, CapturedStep
@@ -272,7 +273,8 @@ def run_bench(cfg: Config, out_path: Path, *, isolate: bool = True) -> dict[str,
     }
     report["wall_s"] = time.perf_counter() - started
     metrics, meta = split_report(report)
-    write_metrics(Path(out_path), metrics, meta)
+    write_metrics(Path(out_path), metrics, meta, headline.bench(metrics, bench.shapes[0]))
+    write_step_table(Path(out_path).with_name(STEP_TABLE), metrics, bench.shapes)
     return report
 
 

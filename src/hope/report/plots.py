@@ -24,7 +24,7 @@ from hope.io import atomic_write  # noqa: E402
 
 FIGSIZE = (6.0, 4.0)
 DPI = 100
-LOG_COLUMNS = ("step", "train_loss", "val_loss", "lr")
+LOG_COLUMNS = ("step", "train_loss", "val_subset_loss", "lr")
 # "Software" would embed the matplotlib version; PNGs from savefig carry no date.
 PNG_METADATA: dict[str, Any] = {"Software": None}
 
@@ -78,7 +78,7 @@ def _save(fig: Figure, path: Path) -> None:
 def plot_loss(log: Mapping[str, Sequence[float | None]], path: Path, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=FIGSIZE)
     ax.plot(*_pairs(log["step"], log["train_loss"]), label="train", linewidth=1.2)
-    val_steps, val_loss = _pairs(log["step"], log["val_loss"])
+    val_steps, val_loss = _pairs(log["step"], log["val_subset_loss"])
     if val_steps:
         ax.plot(val_steps, val_loss, "o-", label="val", linewidth=1.2, markersize=3)
     ax.set_xlabel("step")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import random
 import re
@@ -121,16 +122,20 @@ def aside_path(ckpt_dir: Path, payload: dict[str, Any]) -> Path:
 
 def set_aside(ckpt_dir: Path, aside: Path, reports: list[Path]) -> None:
     """Move every checkpoint of ``ckpt_dir`` (with its digest) and the ``reports`` that
-    exist into ``aside``: renames within one file system, nothing copied or deleted,
-    so the earlier run can be resumed by moving its files back."""
+    exist into ``aside`` (the reports as laid out under the folder they share, e.g.
+    ``train.json`` and ``metrics/train.json``): renames within one file system, nothing
+    copied or deleted, so the earlier run can be resumed by moving its files back."""
     aside.mkdir(parents=True)
     for path in list_checkpoints(ckpt_dir):
         for part in (path, digest_path(path)):
             if part.exists():
                 part.replace(aside / part.name)
+    shared = Path(os.path.commonpath([r.parent for r in reports])) if reports else aside
     for report in reports:
         if report.is_file():
-            shutil.move(report, aside / report.name)  # reports/ may be another file system
+            target = aside / report.relative_to(shared)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(report, target)  # reports/ may be another file system
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:

@@ -3,7 +3,7 @@
 Why: at the paper presets HOPE's and Titans' chunk recurrences launch tens of thousands
 of small kernels per micro-batch (``reports/bench.json``, ``projection``): eagerly each
 costs several microseconds of host time, replayed from a graph almost none (the
-projection's ``graph`` figures; README "Speed").
+projection's ``graph`` figures; docs/PERFORMANCE.md).
 
 How (PyTorch's whole-network capture, forward, backward, clipping and optimizer step):
 

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from hope.config import Config
 from hope.io import atomic_write_text
 
-COLUMNS = ("step", "train_loss", "val_loss", "lr", "tokens", "tokens_per_s")
+COLUMNS = ("step", "train_loss", "val_subset_loss", "lr", "tokens", "tokens_per_s")
 WANDB_DIR = Path(".wandb")  # gitignored; wandb writes its offline runs here
 
 
@@ -67,7 +67,7 @@ class TrainLogger:
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         write_tsv(self.report_dir, self.rows)
-        postfix = {k: row[k] for k in ("train_loss", "val_loss") if row.get(k) is not None}
+        postfix = {k: row[k] for k in ("train_loss", "val_subset_loss") if row.get(k) is not None}
         self.bar.set_postfix(tok_s=f"{row['tokens_per_s']:.0f}", **postfix)
         if self.wandb_run is not None:
             values = {k: v for k, v in row.items() if k != "step" and v is not None}

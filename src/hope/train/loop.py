@@ -24,9 +24,10 @@ from hope.config import Config, save_config
 from hope.data.batches import eval_batches, random_batch
 from hope.data.shards import ShardedTokens, load_split
 from hope.errors import StageError
-from hope.io import meta_path, split_records, write_metrics
+from hope.io import headline_path, meta_path, split_records, write_metrics
 from hope.model.zoo import build_model
 from hope.optim.outer import build_optimizer
+from hope.report import headline
 from hope.train import checkpoint as ckpt
 from hope.train import distributed as dist_env
 from hope.train import graphed, state_dicts
@@ -289,7 +290,7 @@ class Trainer:
                 self.watch.reset(self.step)
             if is_log or is_val:
                 row = self.log_row(is_log, is_val, lr, self.interval_start, interval_tokens)
-                if is_val and not math.isfinite(row["val_loss"]):  # diverged between steps
+                if is_val and not math.isfinite(row["val_subset_loss"]):  # diverged between steps
                     self.on_nonfinite("non-finite validation loss", f"step {self.step}")
                     self.interval_start, interval_tokens = time.perf_counter(), 0
                     continue
@@ -319,7 +320,7 @@ class Trainer:
         return {
             "step": self.step,
             "train_loss": train_loss,
-            "val_loss": val_loss,
+            "val_subset_loss": val_loss,
             "lr": lr,
             "tokens": self.tokens_seen,
             "tokens_per_s": interval_tokens / seconds,
@@ -345,11 +346,12 @@ class Trainer:
         return total[0] / total[1]
 
     def metrics(self, last_row: dict[str, Any]) -> dict[str, Any]:
-        val_loss = float(last_row["val_loss"])
+        val_loss = float(last_row["val_subset_loss"])  # train.val_batches windows of val
         return {
             "train_loss": last_row["train_loss"],
-            "val_loss": val_loss,
-            "val_ppl": math.exp(min(val_loss, 50.0)),
+            "val_subset_loss": val_loss,
+            "val_subset_ppl": math.exp(min(val_loss, 50.0)),
+            "val_subset_tokens": sum(y.numel() for _, y in self.val_batches),
             "steps": self.step,
             "tokens_seen": self.tokens_seen,
             "tokens_per_s": self.tokens_seen / max(self.elapsed_s, 1e-9),
@@ -357,31 +359,27 @@ class Trainer:
             "params": self.model.num_parameters(),
             "nan_skipped_steps": self.skipped,
             "nan_rewinds": self.rewinds,
-            "runtime": {
-                **runtime_record(self.cfg.train, self.device),
-                "world_size": self.env.world_size,
-            },  # fmt: skip
+            "runtime": runtime_record(self.cfg.train, self.device)
+            | {"world_size": self.env.world_size},
         }
 
     def reports(self) -> list[Path]:
         """The files ``write_reports`` and the logger write."""
-        metrics = self.report_dir / "train.json"
-        return [metrics, meta_path(metrics), self.report_dir / "train_log.tsv"]
+        out = self.report_dir / "train.json"
+        return [out, meta_path(out), headline_path(out), out.with_name("train_log.tsv")]
 
     def write_reports(self, metrics: dict[str, Any]) -> dict[str, Any]:
         if self.env.is_main:
             write_tsv(self.report_dir, self.rows)
-            write_metrics(self.report_dir / "train.json", *split_records(metrics, ("runtime",)))
+            numbers, runtime = split_records(metrics, ("runtime",))
+            write_metrics(self.report_dir / "train.json", numbers, runtime, headline.train(numbers))
         return metrics
 
 
 def run_training(
-    cfg: Config,
-    train_tokens: ShardedTokens,
-    val_tokens: ShardedTokens,
-    ckpt_dir: Path,
+    cfg: Config, train_tokens: ShardedTokens, val_tokens: ShardedTokens, ckpt_dir: Path,
     report_dir: Path,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """Train on in-memory token streams; returns the final metrics (numbers in train.json,
     the runtime record in train_meta.json).
     Under torchrun (``WORLD_SIZE`` > 1) every rank calls this and they train as one."""
