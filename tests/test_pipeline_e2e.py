@@ -118,7 +118,7 @@ def test_plots_render_as_json(dvc_repo: Path) -> None:
 
 
 # The ablation of test_experiment_...: short enough to be re-run by Snakemake below.
-EXPERIMENT_STEPS = 20
+EXPERIMENT_STEPS = 10
 NOT_COMPARED = {
     ("bench", "variants"): ["transformer"],
     ("bench", "warmup"): 0,
@@ -150,7 +150,7 @@ def _losses(repo: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def experiment(dvc_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`dvc exp run -S train.steps=60` on the baseline; its artifacts are kept aside
+    """`dvc exp run -S train.steps=EXPERIMENT_STEPS` on the baseline; its artifacts are kept aside
     (the workspace is restored to the baseline afterwards)."""
     run(["git", "add", "-A"], dvc_repo)
     run(["git", "commit", "-qm", "baseline run"], dvc_repo)
@@ -176,8 +176,14 @@ def test_experiment_changes_metric_and_diff_shows_it(dvc_repo: Path, experiment:
     diff = (experiment / "diff.md").read_text()
     assert "reports/metrics/train.json" in diff and "val_subset_loss" in diff
     assert "reports/metrics/eval.json" in diff and "val_loss" in diff
-    table = (experiment / "show.md").read_text()
-    assert "train.steps" in table and str(EXPERIMENT_STEPS) in table
+    # a short table: one row per headline figure that moved (Path, Metric, HEAD,
+    # workspace, Change)
+    rows = [line for line in diff.splitlines() if line.startswith("|")]
+    assert len(rows[0].strip("|").split("|")) == 5 and 2 < len(rows) <= 2 + 39, rows
+    shown = (experiment / "show.md").read_text().splitlines()
+    table = [line.strip("|").split("|") for line in shown if line.startswith("|")]
+    at = [cell.strip() for cell in table[0]].index("train.steps")
+    assert str(EXPERIMENT_STEPS) in [row[at].strip() for row in table[2:]]
     # The workspace is back at the baseline.
     assert _json(dvc_repo / "reports/train.json") == before
 

@@ -7,6 +7,8 @@ default rate 1e-3 gave an initial loss of 2e13 (transformer: ~256); each preset 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from hope.model.zoo import build_model
 CONTEXTS = {"pilot": 2048, "mid": 2048, "target": 2048}
 
 
+@functools.cache  # the pilot shell is read by both tests (a file runs on one worker)
 def initial_loss(preset: str, variant: str, seq_len: int, *extra: str) -> float:
     cfg = load_config(None, [f"preset={preset}", f"model.variant={variant}", "model.n_layers=1",
                              *extra])  # fmt: skip
