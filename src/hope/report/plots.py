@@ -80,7 +80,7 @@ def plot_loss(log: Mapping[str, Sequence[float | None]], path: Path, title: str 
     ax.plot(*_pairs(log["step"], log["train_loss"]), label="train", linewidth=1.2)
     val_steps, val_loss = _pairs(log["step"], log["val_subset_loss"])
     if val_steps:
-        ax.plot(val_steps, val_loss, "o-", label="val", linewidth=1.2, markersize=3)
+        ax.plot(val_steps, val_loss, "o-", label="val (subset)", linewidth=1.2, markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(title or "loss")
