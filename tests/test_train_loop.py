@@ -125,15 +125,12 @@ def test_training_step_makes_no_host_syncs(extra: tuple[str, ...]) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+# train.json's figures two runs of the same work must agree on
+RUN_FIGURES = ("train_loss", "val_subset_loss", "val_subset_ppl", "steps", "tokens_seen", "params")
+
+
 def _assert_same_run(whole: dict[str, Any], resumed: dict[str, Any], tmp_path: Path) -> None:
-    for key in (
-        "train_loss",
-        "val_subset_loss",
-        "val_subset_ppl",
-        "steps",
-        "tokens_seen",
-        "params",
-    ):
+    for key in RUN_FIGURES:
         assert resumed[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-6), key
     a = ckpt.load_checkpoint(latest(tmp_path / "whole" / "ckpt"))
     b = ckpt.load_checkpoint(latest(tmp_path / "resumed" / "ckpt"))
@@ -246,15 +243,7 @@ def test_same_params_give_identical_metrics_and_checkpoints(tmp_path: Path) -> N
     assert non_numbers(metrics) == []  # a DVC metrics file: the runtime record is beside it
     there = {**metrics, **json.loads((reports / "train_meta.json").read_text())}
     assert here["runtime"]["num_threads"] == there["runtime"]["num_threads"] == 2
-    for key in (
-        "train_loss",
-        "val_subset_loss",
-        "val_subset_ppl",
-        "steps",
-        "tokens_seen",
-        "params",
-        "runtime",
-    ):
+    for key in (*RUN_FIGURES, "runtime"):
         assert here[key] == there[key], key
     a = ckpt.load_checkpoint(latest(tmp_path / "here" / "ckpt"))
     b = ckpt.load_checkpoint(latest(tmp_path / "there" / "ckpt"))

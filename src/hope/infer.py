@@ -259,6 +259,13 @@ def position_losses(
     return torch.cat(losses, dim=1)[:, :-1]
 
 
+def first_nonfinite_position(losses: torch.Tensor) -> int | None:
+    """The first position of ``position_losses``' [B, T - 1] whose loss is not finite in
+    some row, or None (one host read: after a read, never inside one)."""
+    bad = (~losses.isfinite()).any(0).nonzero()
+    return int(bad[0]) if bad.numel() else None
+
+
 def read_window(
     model: LanguageModel,
     tokens: torch.Tensor,
@@ -315,10 +322,9 @@ def _where_it_diverged(
             f"{end} of {tokens.shape[1]} (the test-time writes blew up); score without "
             "--stream, or in shorter files"
         )
-    bad_at = (~losses.isfinite()).any(0).nonzero()
-    if bad_at.numel():
-        at, count = int(bad_at[0]), tokens.shape[1] - 1
-        return f"score: the loss is not finite from prediction {at} of {count} on"
+    at = first_nonfinite_position(losses)
+    if at is not None:
+        return f"score: the loss is not finite from prediction {at} of {tokens.shape[1] - 1} on"
     return f"score: the loss over {tokens.shape[1]} tokens is not finite"
 
 

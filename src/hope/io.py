@@ -190,7 +190,6 @@ def write_metrics(
     atomic_write_json(meta_path(path), records)
     atomic_write_json(path, metrics)
     if headline is not None:
-        headline_path(path).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(headline_path(path), headline)
 
 

@@ -185,9 +185,10 @@ def report(losses: torch.Tensor, bucket: int) -> dict[str, Any]:
     }
 
 
-def first_nonfinite_position(losses: torch.Tensor) -> int | None:
-    bad = (~torch.isfinite(losses)).any(0).nonzero()
-    diverged = int(bad[0]) if bad.numel() else None
+def diverged_at(losses: torch.Tensor) -> int | None:
+    from hope.infer import first_nonfinite_position
+
+    diverged = first_nonfinite_position(losses)
     if diverged is not None:
         log.warning(
             "longctx: the loss is not finite from position %d on (the state read through "
@@ -245,7 +246,7 @@ def run_longctx(
     finite = every_norm and all(v is not None for v in every_norm)
     metrics["fast_weight_norm_max"] = max(every_norm) if finite else None  # type: ignore[type-var]
     records = {
-        "first_nonfinite_position": first_nonfinite_position(losses),
+        "first_nonfinite_position": diverged_at(losses),
         # Max over the sequences of each memory's fast-weight norm (Frobenius, per
         # sample) after each window of the stream (null: not finite).
         "fast_weight_norm_by_position": by_memory,

@@ -16,7 +16,7 @@ non-finite one is None.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 Headline = dict[str, float | int | None]
@@ -113,15 +113,3 @@ def bench(report: dict[str, Any], shape: str) -> Headline:
 def recall(report: dict[str, Any]) -> Headline:
     """MQAR accuracy of each variant."""
     return {f"{v}.recall_acc": _num(row["accuracy"]) for v, row in report["variants"].items()}
-
-
-# stage -> its headline (bench's takes the headline shape too: ``bench``).
-HEADLINES: dict[str, Callable[[dict[str, Any]], Headline]] = {
-    "train": train,
-    "eval": evaluation,
-    "zeroshot": zeroshot,
-    "niah": niah,
-    "longctx": longctx,
-    "continual": continual,
-    "recall": recall,
-}

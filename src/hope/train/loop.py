@@ -377,11 +377,13 @@ class Trainer:
 
 
 def run_training(
-    cfg: Config, train_tokens: ShardedTokens, val_tokens: ShardedTokens, ckpt_dir: Path,
+    cfg: Config,
+    train_tokens: ShardedTokens,
+    val_tokens: ShardedTokens,
+    ckpt_dir: Path,
     report_dir: Path,
-) -> dict[str, Any]:  # fmt: skip
-    """Train on in-memory token streams; returns the final metrics (numbers in train.json,
-    the runtime record in train_meta.json).
+) -> dict[str, Any]:
+    """Train on in-memory token streams; returns the final metrics (``write_reports``).
     Under torchrun (``WORLD_SIZE`` > 1) every rank calls this and they train as one."""
     env = dist_env.from_environment()
     device = dist_env.device_for(env, resolve_device(cfg.train.device))
